@@ -1,0 +1,56 @@
+"""hf_paralleldecode: many tokens per forward pass for Hugging Face causal LMs.
+
+``import hf_paralleldecode`` is cheap: submodules (and torch / transformers) load on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "enable": "integration",
+    "is_enabled": "integration",
+    "ParallelDecodingMixin": "integration",
+    "register_decoding": "registry",
+    "get_decoding": "registry",
+    "available_decodings": "registry",
+    "jacobi": "decoding.jacobi",
+    "ParallelDecodingOutput": "decoding.base",
+    "ParallelDecodingConfig": "config",
+    "load_model": "loading",
+    "default_model_path": "loading",
+    "load_default_model": "loading",
+}
+
+__all__ = sorted([*_LAZY, "__version__"])
+
+
+def _register_builtin_strategies(registry) -> None:
+    from .decoding.jacobi import jacobi
+
+    registry.register_decoding("jacobi", jacobi, overwrite=True)
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'hf_paralleldecode' has no attribute {name!r}")
+    module = importlib.import_module(f".{_LAZY[name]}", __name__)
+    value = getattr(module, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return __all__
+
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .config import ParallelDecodingConfig
+    from .decoding.base import ParallelDecodingOutput
+    from .decoding.jacobi import jacobi
+    from .integration import ParallelDecodingMixin, enable, is_enabled
+    from .loading import default_model_path, load_default_model, load_model
+    from .registry import available_decodings, get_decoding, register_decoding

@@ -1,0 +1,237 @@
+"""What every strategy does before and after its loop: validation, prefill, target forwards, output.
+
+What it is for
+    A strategy is a ``custom_generate`` callable (same arguments as ``GenerationMixin._sample``).
+    :func:`start` validates the request *before any forward pass* (clear ``ValueError`` naming
+    the fix), prepares the cache, runs the prefill and commits each row's first token, returning a
+    :class:`DecodeRun` that holds the target forward (:meth:`DecodeRun.forward`), the
+    :class:`~hf_paralleldecode.decoding.cache.SlotCache`, the
+    :class:`~hf_paralleldecode.decoding.commit.CommitLog` and the statistics.
+    :meth:`DecodeRun.result` builds the stock output type plus decoding statistics.
+
+What it deliberately does not know
+    What the strategy proposes or how it verifies.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+from .cache import SlotCache, prepare_cache
+from .commit import CommitLog
+from .processors import check_processors, process_block
+
+__all__ = ["DecodeRun", "ParallelDecodingOutput", "start", "check_int_setting"]
+
+SUPPORTED_ATTENTION = ("sdpa", "eager")
+
+
+@dataclass
+class ParallelDecodingOutput(GenerateDecoderOnlyOutput):
+    """``GenerateDecoderOnlyOutput`` plus decoding statistics.
+
+    Attributes (beyond the stock ones):
+        num_forward_passes: target forward passes, prefill included.
+        num_generated_tokens: tokens generated, summed over rows, up to each row's stop.
+        tokens_per_forward: TPF = generated tokens / target forward passes, averaged per row
+            (sum over rows of tokens / sum over rows of the forwards that row took part in).
+        decoding: name of the strategy.
+        stats: strategy-specific counters (e.g. cache compactions).
+    """
+
+    num_forward_passes: int | None = None
+    num_generated_tokens: int | None = None
+    tokens_per_forward: float | None = None
+    decoding: str | None = None
+    stats: dict | None = None
+
+
+def check_int_setting(name: str, value, minimum: int) -> int:
+    """Validate an integer setting (bools and floats are refused) and return it."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"`{name}` must be an integer >= {minimum}, got {value!r} ({type(value).__name__}).")
+    if value < minimum:
+        raise ValueError(f"`{name}` must be >= {minimum}, got {value}.")
+    return value
+
+
+def _validate(model, name, input_ids, generation_config, logits_processor, model_kwargs, allow_sampling):
+    if getattr(model.config, "is_encoder_decoder", False):
+        raise ValueError(f"decoding={name!r} supports decoder-only causal LMs; this model is encoder-decoder.")
+    if generation_config.num_beams is not None and generation_config.num_beams > 1:
+        raise ValueError(f"decoding={name!r} does not combine with beam search: set num_beams=1.")
+    if generation_config.do_sample and not allow_sampling:
+        raise ValueError(
+            f"decoding={name!r} is greedy-only for now: pass do_sample=False (sampling verification is not "
+            "available for this strategy yet)."
+        )
+    if generation_config.num_return_sequences not in (None, 1):
+        raise ValueError(f"decoding={name!r} supports num_return_sequences=1 only.")
+    if generation_config.use_cache is False:
+        raise ValueError(f"decoding={name!r} needs the KV cache: do not pass use_cache=False.")
+    if generation_config.output_attentions or generation_config.output_hidden_states:
+        raise ValueError(
+            f"decoding={name!r} cannot return per-step attentions or hidden states: set output_attentions=False "
+            "and output_hidden_states=False."
+        )
+    if model_kwargs.get("inputs_embeds") is not None:
+        raise ValueError(f"decoding={name!r} needs input_ids; inputs_embeds are not supported.")
+    if input_ids.shape[1] == 0:
+        raise ValueError("decoding needs a non-empty prompt (input_ids of length >= 1).")
+    attn = getattr(model.config, "_attn_implementation", None) or "eager"
+    if attn not in SUPPORTED_ATTENTION:
+        raise ValueError(
+            f"decoding={name!r} builds custom 4D attention masks, which attn_implementation={attn!r} does not "
+            f"honour. Load the model with attn_implementation='sdpa' (or 'eager'), or call "
+            f"model.set_attn_implementation('sdpa')."
+        )
+    check_processors(logits_processor, input_ids.shape[0])
+
+
+class DecodeRun:
+    """State of one generate() call shared by every strategy (see module docstring)."""
+
+    def __init__(self, model, name, input_ids, generation_config, logits_processor, log, slots, rows):
+        self.model = model
+        self.name = name
+        self.prompt = input_ids  # [batch, prompt_len]
+        self.generation_config = generation_config
+        self.logits_processor = logits_processor
+        self.log = log
+        self.slots = slots
+        self.rows = rows  # [active] original row ids of the rows still decoding
+        self.num_forward_passes = 0
+        self.model_seconds = 0.0
+        self.stats: dict = {}
+        self._forward_takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+
+    # ---- the target forward --------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, intra_mask: torch.Tensor) -> torch.Tensor:
+        """One target forward of ``input_ids [active, width]`` appended after the committed slots.
+
+        ``intra_mask`` (bool ``[width, width]`` or ``[active, width, width]``) says which new tokens
+        see which; returns fp32 logits ``[active, width, vocab]``.
+        """
+        kwargs = {"logits_to_keep": 0} if self._forward_takes_logits_to_keep else {}
+        t0 = time.perf_counter()
+        out = self.model(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            attention_mask=self.slots.attention_mask(intra_mask),
+            past_key_values=self.slots.cache,
+            use_cache=True,
+            **kwargs,
+        )
+        logits = out.logits.float()
+        self.model_seconds += time.perf_counter() - t0
+        self.num_forward_passes += 1
+        return logits
+
+    def process(self, logits, fed, widths) -> torch.Tensor:
+        """Processed scores ``[active, width, vocab]`` for fed tokens (see ``processors.process_block``)."""
+        if not self.logits_processor:
+            return logits
+        histories = [self.history(int(r)) for r in self.rows]
+        return process_block(self.logits_processor, logits, fed, widths, histories)
+
+    def history(self, row: int) -> torch.Tensor:
+        """Padded prompt + committed tokens of original row ``row`` (what stock would pass processors)."""
+        return torch.cat([self.prompt[row], self.log.tokens[row, : int(self.log.count[row])]])
+
+    # ---- row management -------------------------------------------------------------------------
+    def drop_finished(self) -> torch.Tensor | None:
+        """Remove rows that need no more work; return the kept positions (into the active rows) or None."""
+        needs = self.log.needs_work()[self.rows]
+        if bool(needs.all()):
+            return None
+        keep = needs.nonzero().squeeze(1)
+        self.rows = self.rows[keep]
+        if keep.numel():
+            self.slots.select_rows(keep)
+        return keep
+
+    # ---- output ---------------------------------------------------------------------------------
+    def result(self, return_dict: bool, wall_start: float):
+        self.log.finish()
+        if not return_dict:
+            return self.log.sequences
+        useful = self.log.useful_tokens()
+        forwards = int(self.log.forwards_per_row.sum())
+        stats = dict(self.stats)
+        stats.update(
+            cache_compactions=self.slots.num_compactions,
+            model_seconds=self.model_seconds,
+            wall_seconds=time.perf_counter() - wall_start,
+        )
+        return ParallelDecodingOutput(
+            sequences=self.log.sequences,
+            scores=tuple(self.log.scores) if self.log.scores is not None else None,
+            logits=tuple(self.log.logits) if self.log.logits is not None else None,
+            past_key_values=None,
+            num_forward_passes=self.num_forward_passes,
+            num_generated_tokens=int(useful.sum()),
+            tokens_per_forward=float(useful.sum()) / max(forwards, 1),
+            decoding=self.name,
+            stats=stats,
+        )
+
+
+def start(
+    model,
+    name: str,
+    input_ids: torch.Tensor,
+    logits_processor,
+    stopping_criteria,
+    generation_config,
+    streamer,
+    model_kwargs: dict,
+    allow_sampling: bool = False,
+) -> DecodeRun:
+    """Validate, prefill the prompt and commit every row's first token; return the run state."""
+    _validate(model, name, input_ids, generation_config, logits_processor, model_kwargs, allow_sampling)
+    cache = prepare_cache(model, model_kwargs.get("past_key_values"), int(generation_config.max_length))
+    batch, prompt_len = input_ids.shape
+    attention_mask = model_kwargs.get("attention_mask")
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    position_ids = model_kwargs.get("position_ids")
+    if position_ids is None:
+        position_ids = (attention_mask.long().cumsum(-1) - 1).masked_fill_(attention_mask == 0, 1)
+
+    log = CommitLog(
+        input_ids,
+        generation_config,
+        stopping_criteria,
+        streamer=streamer,
+        output_scores=bool(generation_config.return_dict_in_generate and generation_config.output_scores),
+        output_logits=bool(generation_config.return_dict_in_generate and generation_config.output_logits),
+    )
+    slots = SlotCache(cache, attention_mask.bool(), dtype=model.dtype)
+    rows = torch.arange(batch, device=input_ids.device)
+    run = DecodeRun(model, name, input_ids, generation_config, logits_processor, log, slots, rows)
+    run.prompt_mask = attention_mask.bool()  # [batch, prompt_len]
+    if log.max_new_tokens == 0:
+        return run
+
+    t0 = time.perf_counter()
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        past_key_values=cache,
+        use_cache=True,
+        **({"logits_to_keep": 1} if run._forward_takes_logits_to_keep else {}),
+    )
+    logits = out.logits[:, -1].float()  # [batch, vocab]
+    run.model_seconds += time.perf_counter() - t0
+    run.num_forward_passes += 1
+    scores = logits_processor(input_ids, logits) if logits_processor else logits
+    first = scores.argmax(-1)
+    log.add(rows, first[:, None], torch.ones_like(first), scores[:, None], logits[:, None])
+    log.emit()
+    return run

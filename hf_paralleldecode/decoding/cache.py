@@ -1,0 +1,147 @@
+"""KV-cache bookkeeping shared by every strategy: per-row committed slots on one shared cache.
+
+What it is for
+    A transformers ``DynamicCache`` holds ONE sequence length for the whole batch, but rows of a
+    parallel decoder accept different numbers of tokens per forward. :class:`SlotCache` wraps the
+    cache with a boolean ``valid[batch, slots]`` table: a physical slot holds a committed key/value
+    of that row or is a *hole* (left padding, or a guess the row rejected). Every forward appends
+    ``width`` slots for all rows; the 4D additive mask built here lets each query see exactly the
+    valid slots of its own row plus the new slots its layout allows (causal block, tree, ...), and
+    ``position_ids`` carry each row's logical positions. Attention is invariant to the order of
+    keys, so holes cost compute but never change a result.
+
+Decision (rows that accept different lengths, see DESIGN.md "hard parts")
+    We keep per-row committed lengths instead of committing the minimum across rows: a fast row
+    never waits for a slow one. Trailing slots that no row kept are cut with the cache's public
+    ``crop`` (so at batch size 1 the cache always equals the committed length, with no holes);
+    holes inside the cache are removed by :meth:`SlotCache.compact` (a per-row gather along the
+    sequence axis of every layer) once they make up a large share of the cache.
+
+What it deliberately does not know
+    Which tokens are proposed or how they are verified: callers pass the new slots' intra-step
+    mask and, after verification, which of the new slots each row keeps.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+
+__all__ = ["SlotCache", "prepare_cache"]
+
+
+def prepare_cache(model, past_key_values, max_length: int) -> DynamicCache:
+    """Return a cache the strategies can cut back and gather, or raise ``ValueError``.
+
+    ``generate`` hands the strategy an empty ``DynamicCache(config=...)``. Full-attention layers
+    (``DynamicLayer``) are supported. Sliding-window layers are supported only when the whole
+    generation fits inside the window (then sliding and full attention are the same computation,
+    and a full-attention cache is used instead); otherwise the request is refused.
+    """
+    if past_key_values is None:
+        return DynamicCache()
+    if not isinstance(past_key_values, Cache):
+        raise ValueError(f"past_key_values must be a transformers Cache, got {type(past_key_values).__name__}.")
+    if past_key_values.get_seq_length() != 0:
+        raise ValueError(
+            "Parallel decoding strategies start from an empty cache; do not pass a pre-filled `past_key_values`."
+        )
+    if not isinstance(past_key_values, DynamicCache):
+        raise ValueError(
+            f"{type(past_key_values).__name__} is not supported by parallel decoding strategies (its entries cannot "
+            "be cut back or gathered). Remove `cache_implementation` / `past_key_values` to use the default "
+            "DynamicCache."
+        )
+    if all(type(layer) is DynamicLayer for layer in past_key_values.layers):
+        return past_key_values
+    window = getattr(model.config, "sliding_window", None)
+    if window is not None and max_length <= window:
+        return DynamicCache()
+    kinds = sorted({type(layer).__name__ for layer in past_key_values.layers})
+    raise ValueError(
+        f"This model's cache has layers of kind {kinds} (sliding-window or hybrid attention) that cannot be cut "
+        f"back exactly, and max_length={max_length} exceeds its sliding_window={window}. Lower max_new_tokens so "
+        "the whole generation fits in the window, or use stock generate()."
+    )
+
+
+class SlotCache:
+    """Per-row valid-slot table over a shared ``DynamicCache``.
+
+    Shapes: ``valid`` is ``[batch, num_slots]`` (bool); ``num_valid`` is ``[batch]`` and equals each
+    row's logical length (the position id of its next token).
+    """
+
+    def __init__(self, cache: DynamicCache, valid: torch.Tensor, dtype: torch.dtype):
+        self.cache = cache
+        self.valid = valid.bool()  # [batch, num_slots]
+        self.dtype = dtype
+        self.num_compactions = 0
+
+    @property
+    def num_slots(self) -> int:
+        return self.valid.shape[1]
+
+    @property
+    def num_valid(self) -> torch.Tensor:  # [batch]
+        return self.valid.sum(-1)
+
+    def attention_mask(self, intra: torch.Tensor) -> torch.Tensor:
+        """4D additive mask ``[batch, 1, width, num_slots + width]`` for the next forward.
+
+        ``intra`` is ``[batch, width, width]`` or ``[width, width]`` (bool, True = may attend) among
+        the new slots; every query must at least see itself so that no attention row is empty.
+        """
+        batch, width = self.valid.shape[0], intra.shape[-1]
+        past = self.valid[:, None, :].expand(batch, width, self.num_slots)
+        intra = intra.expand(batch, width, width)
+        allowed = torch.cat([past, intra], dim=-1)[:, None]  # [batch, 1, width, slots + width]
+        mask = torch.zeros(allowed.shape, dtype=self.dtype, device=allowed.device)
+        return mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
+
+    def commit(self, keep: torch.Tensor) -> None:
+        """Record which of the slots the last forward appended each row keeps (``keep: [batch, width]``).
+
+        Trailing slots that no row keeps are cropped from the cache; holes stay masked until the
+        next :meth:`compact`.
+        """
+        keep = keep.bool()
+        width = keep.shape[1]
+        kept_cols = keep.any(0).nonzero()
+        last = int(kept_cols.max()) + 1 if kept_cols.numel() else 0
+        if last < width:
+            self.cache.crop(-(width - last))
+        self.valid = torch.cat([self.valid, keep[:, :last]], dim=1)
+        if self.cache.get_seq_length() != self.num_slots:
+            raise RuntimeError(
+                f"KV cache length {self.cache.get_seq_length()} out of sync with {self.num_slots} tracked slots."
+            )
+        if self._holes_worth_compacting():
+            self.compact()
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep only the batch rows ``rows`` (finished rows are dropped from the work)."""
+        self.cache.batch_select_indices(rows)
+        self.valid = self.valid[rows]
+
+    def _holes_worth_compacting(self) -> bool:
+        longest = int(self.num_valid.max()) if self.valid.shape[0] else 0
+        return self.num_slots - longest > max(32, longest // 4)
+
+    def compact(self) -> None:
+        """Move each row's valid slots to the right end of the cache (order kept), dropping holes."""
+        longest = int(self.num_valid.max())
+        if longest == self.num_slots:
+            return
+        order = torch.arange(self.num_slots, device=self.valid.device)
+        # Sort key puts holes first and valid slots last, each group in original order.
+        key = self.valid.long() * self.num_slots + order
+        index = key.argsort(dim=1)[:, -longest:]  # [batch, longest]
+        for layer in self.cache.layers:
+            if layer.keys is None or layer.keys.numel() == 0:
+                continue
+            idx = index[:, None, :, None].to(layer.keys.device)
+            layer.keys = layer.keys.gather(2, idx.expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1]))
+            layer.values = layer.values.gather(2, idx.expand(-1, layer.values.shape[1], -1, layer.values.shape[-1]))
+        self.valid = self.valid.gather(1, index)
+        self.num_compactions += 1

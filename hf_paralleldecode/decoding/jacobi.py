@@ -1,0 +1,168 @@
+"""Greedy Jacobi decoding: fixed-point iteration on an n-token block, block after block.
+
+Algorithm (per row; rows run independently, see ``cache.py`` for how they share one cache)
+    A block covers ``n = block_size`` output positions. Its first token is the last committed
+    token (known, its KV not yet computed); the other ``n - 1`` positions hold guesses. Each
+    iteration feeds ``[last committed, guesses...]`` (only the unconverged part of the block) in
+    one forward with a causal mask after the committed prefix. The target's greedy choices ``y``
+    give the Jacobi update of every position; the leading guesses equal to ``y`` are converged
+    (accepted), and ``y`` right after them is exact as well (bonus). A step commits
+    ``accepted + 1`` tokens and keeps the KV of the fed tokens it accepted; the rest of the
+    block is replaced by its Jacobi update ``y`` and iterated again. When the block is complete,
+    the bonus token starts the next block. ``block_size=1`` is ordinary greedy decoding.
+
+Guess initialisation (``jacobi_init``)
+    * ``"random_context"`` (default, as CLLM and Jacobi Forcing): each guess is a token drawn
+      uniformly from the row's own context (prompt without padding + generated tokens), with a
+      ``torch.Generator`` seeded by ``jacobi_seed``: the same call gives the same trajectory.
+    * ``"repeat"``: every guess is the block's first token.
+    The initialisation changes speed only, never the output.
+
+Lossless
+    Every committed token is the target's greedy choice given the exact committed prefix, with
+    the user's logits processors applied per position (``processors.py``); the committed tokens
+    are emitted step by step exactly as stock ``_sample`` (``commit.py``).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .base import check_int_setting, start
+from .verify import greedy_accept
+
+__all__ = ["jacobi", "JACOBI_INITS"]
+
+JACOBI_INITS = ("random_context", "repeat")
+
+
+def _check_jacobi_settings(block_size, jacobi_init, jacobi_seed):
+    check_int_setting("block_size", block_size, 1)
+    if jacobi_init not in JACOBI_INITS:
+        raise ValueError(f"`jacobi_init` must be one of {JACOBI_INITS}, got {jacobi_init!r}.")
+    check_int_setting("jacobi_seed", jacobi_seed, 0)
+
+
+class JacobiProposer:
+    """Per-row Jacobi block state: the tokens to feed next and how much of the block is left.
+
+    ``draft`` ``[active, block_size]``: ``draft[:, 0]`` is the last committed token, the rest are
+    guesses; ``block_left`` ``[active]``: positions of the current block not yet finalised,
+    counting ``draft[:, 0]``.
+    """
+
+    def __init__(self, run, block_size: int, init: str, seed: int):
+        self.run = run
+        self.n = block_size
+        self.init = init
+        self.generator = torch.Generator(device="cpu").manual_seed(seed)
+        log = run.log
+        first = log.tokens[run.rows, 0]
+        self.draft = first[:, None].repeat(1, block_size)
+        self.block_left = torch.full_like(first, block_size)
+        self._new_guesses(torch.ones_like(first, dtype=torch.bool))
+
+    def widths(self) -> torch.Tensor:
+        """Tokens to feed per row: the rest of the block, capped by the row's token budget."""
+        log = self.run.log
+        budget = log.max_new_tokens - log.count[self.run.rows]
+        return torch.minimum(self.block_left, budget)
+
+    def select(self, keep: torch.Tensor) -> None:
+        self.draft, self.block_left = self.draft[keep], self.block_left[keep]
+
+    def update(self, choices: torch.Tensor, accepted: torch.Tensor) -> None:
+        """Jacobi update after a forward: ``choices [active, width]``, ``accepted [active]``."""
+        width = choices.shape[1]
+        idx = (accepted[:, None] + torch.arange(self.n, device=choices.device)).clamp(max=width - 1)
+        self.draft = choices.gather(1, idx)  # bonus token, then the Jacobi update of the rest
+        self.block_left = self.block_left - (accepted + 1)
+        finished = self.block_left <= 0
+        if bool(finished.any()):
+            self.block_left = torch.where(finished, self.n, self.block_left)
+            self._new_guesses(finished)
+
+    def _new_guesses(self, rows_mask: torch.Tensor) -> None:
+        if self.n == 1:
+            return
+        if self.init == "repeat":
+            fill = self.draft[:, :1].expand(-1, self.n - 1)
+        else:
+            fill = self._sample_context(self.n - 1)
+        self.draft[:, 1:] = torch.where(rows_mask[:, None], fill, self.draft[:, 1:])
+
+    def _sample_context(self, k: int) -> torch.Tensor:
+        run = self.run
+        rows = run.rows
+        prompt_mask = run.prompt_mask[rows]  # [active, prompt_len]
+        gen_mask = torch.arange(run.log.max_new_tokens, device=rows.device)[None] < run.log.count[rows][:, None]
+        context = torch.cat([run.prompt[rows], run.log.tokens[rows]], dim=1)
+        valid = torch.cat([prompt_mask, gen_mask], dim=1)
+        n_valid = valid.sum(1)  # >= 1: the prompt is non-empty
+        order = (~valid).long().argsort(dim=1, stable=True)  # valid positions first, in order
+        u = torch.rand(rows.shape[0], k, generator=self.generator).to(rows.device)
+        pick = (u * n_valid[:, None]).long().clamp(max=context.shape[1] - 1)
+        return context.gather(1, order.gather(1, pick))
+
+
+def jacobi(
+    model,
+    input_ids: torch.LongTensor,
+    logits_processor,
+    stopping_criteria,
+    generation_config,
+    synced_gpus: bool = False,
+    streamer=None,
+    block_size: int = 16,
+    jacobi_init: str = "random_context",
+    jacobi_seed: int = 0,
+    pd_streamer=None,
+    **model_kwargs,
+):
+    """Lossless greedy Jacobi decoding; a ``custom_generate`` callable.
+
+    Use ``model.generate(**inputs, custom_generate=hf_paralleldecode.jacobi, block_size=16)`` on
+    any model, or ``model.generate(**inputs, decoding="jacobi", block_size=16)`` on a model passed
+    through :func:`hf_paralleldecode.enable`.
+
+    Args:
+        block_size: n, the number of tokens iterated in parallel (1 = ordinary greedy decoding).
+        jacobi_init: how the guesses of a new block are initialised, ``"random_context"`` or
+            ``"repeat"`` (see the module docstring). Changes speed only, never the output.
+        jacobi_seed: seed of the generator used by ``"random_context"``.
+        pd_streamer: streamer receiving committed tokens (``decoding=`` routes ``streamer=`` here,
+            because transformers does not hand ``streamer`` to ``custom_generate`` callables).
+    """
+    wall_start = time.perf_counter()
+    _check_jacobi_settings(block_size, jacobi_init, jacobi_seed)
+    run = start(
+        model, "jacobi", input_ids, logits_processor, stopping_criteria, generation_config,
+        pd_streamer if pd_streamer is not None else streamer, model_kwargs,
+    )
+    proposer = JacobiProposer(run, block_size, jacobi_init, jacobi_seed)
+    tril = torch.ones(block_size, block_size, dtype=torch.bool, device=input_ids.device).tril()
+
+    while not run.log.done:
+        kept = run.drop_finished()
+        if kept is not None:
+            proposer.select(kept)
+        if run.rows.numel() == 0:
+            break
+        widths = proposer.widths()  # [active]
+        width = int(widths.max())
+        fed = proposer.draft[:, :width]  # [active, width]
+        positions = run.slots.num_valid[:, None] + torch.arange(width, device=fed.device)
+        logits = run.forward(fed, positions, tril[:width, :width])  # [active, width, vocab]
+        scores = run.process(logits, fed, widths)
+        choices = scores.argmax(-1)  # [active, width]
+        accepted = greedy_accept(fed[:, 1:], choices[:, :-1], widths - 1)  # [active]
+        run.log.add(run.rows, choices, accepted + 1, scores, logits)
+        cols = torch.arange(width, device=fed.device)
+        run.slots.commit(cols[None, :] < (accepted + 1)[:, None])
+        proposer.update(choices, accepted)
+        run.log.emit()
+
+    run.stats["block_size"] = block_size
+    return run.result(bool(generation_config.return_dict_in_generate), wall_start)

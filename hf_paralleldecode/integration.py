@@ -1,0 +1,84 @@
+"""``hf_paralleldecode.enable(model)``: ``model.generate(decoding="name", ...)`` on a stock model.
+
+How (decision)
+    The instance's class is swapped for a subclass ``(ParallelDecodingMixin, OriginalClass)`` that
+    keeps the original ``__name__`` and ``__module__`` (so ``save_pretrained`` still writes the
+    original architecture name and ``isinstance`` checks keep working). No transformers class or
+    function is modified; other instances are untouched. The mixin's ``generate`` pops
+    ``decoding`` (default: the checkpoint's ``ParallelDecodingConfig``, if the loader attached one), looks the
+    strategy up in the registry and calls the stock ``generate`` with ``custom_generate=<strategy>``,
+    so transformers still prepares inputs, cache, processors and stopping criteria.
+
+Streamer
+    transformers does not hand ``streamer`` to ``custom_generate`` callables (it even puts the prompt
+    into it and never calls ``end()``). The mixin therefore passes the streamer to the strategy as
+    ``pd_streamer``; the strategy puts the prompt, each committed step and ``end()`` itself.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+from .registry import get_decoding
+
+__all__ = ["enable", "ParallelDecodingMixin", "is_enabled"]
+
+_CLASS_CACHE: dict[type, type] = {}
+
+
+class ParallelDecodingMixin:
+    """Adds ``decoding=`` to ``generate``; without it, ``generate`` is the stock one."""
+
+    _hf_paralleldecode_enabled = True
+
+    def generate(self, *args, decoding: str | None = None, **kwargs):
+        pd_config = getattr(self, "parallel_decoding_config", None)
+        defaults = pd_config.generate_kwargs() if pd_config is not None else {}
+        if decoding is None:
+            decoding = defaults.pop("decoding", None)
+        elif defaults.get("decoding") != decoding:
+            defaults = {}
+        else:
+            defaults.pop("decoding", None)
+        if decoding is None:
+            return super().generate(*args, **kwargs)
+        strategy = get_decoding(decoding)
+        if kwargs.get("custom_generate") is not None:
+            raise ValueError("Pass either `decoding=` or `custom_generate=`, not both.")
+        if kwargs.get("assistant_model") is not None or kwargs.get("prompt_lookup_num_tokens"):
+            raise ValueError(
+                f"decoding={decoding!r} replaces the decoding loop; it cannot be combined with assisted generation "
+                "(`assistant_model` / `prompt_lookup_num_tokens`). Drop one of them."
+            )
+        if kwargs.get("synced_gpus"):
+            raise ValueError(f"decoding={decoding!r} does not support synced_gpus=True.")
+        params = inspect.signature(strategy).parameters
+        for key, value in defaults.items():
+            if key in params:
+                kwargs.setdefault(key, value)
+        streamer = kwargs.pop("streamer", None)
+        if streamer is not None:
+            if "pd_streamer" not in params:
+                raise ValueError(f"decoding={decoding!r} does not support `streamer`.")
+            kwargs["pd_streamer"] = streamer
+        return super().generate(*args, custom_generate=strategy, **kwargs)
+
+
+def is_enabled(model) -> bool:
+    return isinstance(model, ParallelDecodingMixin)
+
+
+def enable(model):
+    """Return ``model`` (same object) whose ``generate`` also accepts ``decoding="<name>"``."""
+    if is_enabled(model):
+        return model
+    if not hasattr(model, "generate"):
+        raise ValueError(f"{type(model).__name__} has no generate(); pass a transformers causal LM.")
+    cls = type(model)
+    new_cls = _CLASS_CACHE.get(cls)
+    if new_cls is None:
+        new_cls = type(cls.__name__, (ParallelDecodingMixin, cls), {"__module__": cls.__module__})
+        new_cls.__qualname__ = cls.__qualname__
+        _CLASS_CACHE[cls] = new_cls
+    model.__class__ = new_cls
+    return model
