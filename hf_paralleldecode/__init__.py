@@ -25,7 +25,21 @@ _LAZY = {
     "load_default_model": "loading",
 }
 
-__all__ = sorted([*_LAZY, "__version__"])
+__all__ = [
+    "ParallelDecodingConfig",
+    "ParallelDecodingMixin",
+    "ParallelDecodingOutput",
+    "__version__",
+    "available_decodings",
+    "default_model_path",
+    "enable",
+    "get_decoding",
+    "is_enabled",
+    "jacobi",
+    "load_default_model",
+    "load_model",
+    "register_decoding",
+]
 
 
 def _register_builtin_strategies(registry) -> None:

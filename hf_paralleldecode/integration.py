@@ -43,7 +43,7 @@ class ParallelDecodingMixin:
         if decoding is None:
             return super().generate(*args, **kwargs)
         strategy = get_decoding(decoding)
-        if kwargs.get("custom_generate") is not None:
+        if kwargs.pop("custom_generate", None) is not None:
             raise ValueError("Pass either `decoding=` or `custom_generate=`, not both.")
         if kwargs.get("assistant_model") is not None or kwargs.get("prompt_lookup_num_tokens"):
             raise ValueError(
@@ -62,6 +62,14 @@ class ParallelDecodingMixin:
                 raise ValueError(f"decoding={decoding!r} does not support `streamer`.")
             kwargs["pd_streamer"] = streamer
         return super().generate(*args, custom_generate=strategy, **kwargs)
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """Stock ``save_pretrained`` plus the attached ``ParallelDecodingConfig``, if any."""
+        out = super().save_pretrained(save_directory, *args, **kwargs)
+        config = getattr(self, "parallel_decoding_config", None)
+        if config is not None:
+            config.save_pretrained(save_directory)
+        return out
 
 
 def is_enabled(model) -> bool:

@@ -24,7 +24,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .cache import SlotCache, prepare_cache
 from .commit import CommitLog
-from .processors import check_processors, process_block
+from .processors import process_block
 
 __all__ = ["DecodeRun", "ParallelDecodingOutput", "start", "check_int_setting"]
 
@@ -90,7 +90,6 @@ def _validate(model, name, input_ids, generation_config, logits_processor, model
             f"honour. Load the model with attn_implementation='sdpa' (or 'eager'), or call "
             f"model.set_attn_implementation('sdpa')."
         )
-    check_processors(logits_processor, input_ids.shape[0])
 
 
 class DecodeRun:
@@ -137,7 +136,9 @@ class DecodeRun:
         if not self.logits_processor:
             return logits
         histories = [self.history(int(r)) for r in self.rows]
-        return process_block(self.logits_processor, logits, fed, widths, histories)
+        return process_block(
+            self.logits_processor, logits, fed, widths, histories, self.rows, self.prompt.shape[0]
+        )
 
     def history(self, row: int) -> torch.Tensor:
         """Padded prompt + committed tokens of original row ``row`` (what stock would pass processors)."""

@@ -72,6 +72,11 @@ class SlotCache:
     row's logical length (the position id of its next token).
     """
 
+    #: compact once the cache holds more than ``max(compact_min_holes, compact_ratio * longest_row)``
+    #: slots beyond the longest row (holes cost attention compute; compaction, one gather per layer).
+    compact_min_holes: int = 32
+    compact_ratio: float = 0.25
+
     def __init__(self, cache: DynamicCache, valid: torch.Tensor, dtype: torch.dtype):
         self.cache = cache
         self.valid = valid.bool()  # [batch, num_slots]
@@ -126,7 +131,7 @@ class SlotCache:
 
     def _holes_worth_compacting(self) -> bool:
         longest = int(self.num_valid.max()) if self.valid.shape[0] else 0
-        return self.num_slots - longest > max(32, longest // 4)
+        return self.num_slots - longest > max(self.compact_min_holes, self.compact_ratio * longest)
 
     def compact(self) -> None:
         """Move each row's valid slots to the right end of the cache (order kept), dropping holes."""

@@ -9,10 +9,10 @@ What it is for
 Two paths
     * fast: when every processor ignores ``input_ids`` (the stateless warpers such as temperature,
       top-k, top-p, min-p and token suppression) all positions go through in one flattened call;
-    * exact: otherwise one call per (row, position) with that row's prefix, batch size 1. This is
+    * exact: otherwise one call per distinct prefix length, each row at its own batch index. This is
       what makes repetition penalty, no-repeat-n-gram, bad words, min length, forced EOS and
-      sequence bias lossless. A processor must therefore score a row from that row's ids alone;
-      :data:`BATCH_DEPENDENT_PROCESSORS` (which read the batch index) are refused for batch > 1.
+      sequence bias lossless. A processor must score a row from that row's ids (and its index in
+      the batch) alone, which every stock processor does.
 
 What it deliberately does not know
     How tokens are chosen from the scores (greedy argmax or rejection sampling).
@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from transformers.generation import logits_process as lp
 
-__all__ = ["process_block", "check_processors", "PREFIX_INDEPENDENT_PROCESSORS", "BATCH_DEPENDENT_PROCESSORS"]
+__all__ = ["process_block", "PREFIX_INDEPENDENT_PROCESSORS"]
 
 # Processors whose output depends on the scores alone (never on input_ids): safe to batch.
 PREFIX_INDEPENDENT_PROCESSORS: tuple[type, ...] = tuple(
@@ -43,42 +43,45 @@ PREFIX_INDEPENDENT_PROCESSORS: tuple[type, ...] = tuple(
     if hasattr(lp, name)
 )
 
-# Processors that read the row's index in the batch: per-row calls would hand them the wrong index.
-BATCH_DEPENDENT_PROCESSORS: tuple[type, ...] = tuple(
-    getattr(lp, name) for name in ("PrefixConstrainedLogitsProcessor",) if hasattr(lp, name)
-)
-
-
-def check_processors(logits_processor, batch_size: int) -> None:
-    """Raise ``ValueError`` for processors the block verifier cannot apply exactly."""
-    for proc in logits_processor or []:
-        if batch_size > 1 and isinstance(proc, BATCH_DEPENDENT_PROCESSORS):
-            raise ValueError(
-                f"{type(proc).__name__} (prefix_allowed_tokens_fn) reads the batch index, which parallel decoding "
-                "cannot reproduce with batch size > 1. Generate one prompt at a time, or use stock generate()."
-            )
-
-
 def process_block(
     logits_processor,
-    logits: torch.Tensor,  # [batch, width, vocab] raw logits, fp32
-    fed: torch.Tensor,  # [batch, width] tokens fed; fed[:, 0] is each row's last committed token
-    widths: torch.Tensor,  # [batch] number of real (non-filler) positions per row
-    histories: list[torch.Tensor],  # per row: padded prompt + committed tokens (ends with fed[b, 0])
+    logits: torch.Tensor,  # [active, width, vocab] raw logits, fp32
+    fed: torch.Tensor,  # [active, width] tokens fed; fed[:, 0] is each row's last committed token
+    widths: torch.Tensor,  # [active] number of real (non-filler) positions per row
+    histories: list[torch.Tensor],  # per active row: padded prompt + committed tokens (ends with fed[i, 0])
+    rows: torch.Tensor,  # [active] index of each active row in the original batch
+    batch_size: int,  # rows of the original batch (what processors were built for)
 ) -> torch.Tensor:
-    """Return processed scores ``[batch, width, vocab]``; filler positions are left unprocessed."""
+    """Return processed scores ``[active, width, vocab]``; filler positions are left unprocessed.
+
+    Exact path: positions are grouped by prefix length; each group is one processor call on a
+    full-size batch ``[batch_size, length]`` in which every participating row sits at its own index
+    (the other rows are placeholders whose output is discarded). Processors thus see exactly the
+    batch layout stock generation gives them, batch-indexed state included.
+    """
     if not logits_processor:
         return logits
-    batch, width, vocab = logits.shape
+    active, width, vocab = logits.shape
     if all(isinstance(p, PREFIX_INDEPENDENT_PROCESSORS) for p in logits_processor):
-        flat = logits.reshape(batch * width, vocab)
-        dummy = fed.reshape(batch * width, 1)
-        return logits_processor(dummy, flat).reshape(batch, width, vocab)
+        flat = logits.reshape(active * width, vocab)
+        dummy = fed.reshape(active * width, 1)
+        return logits_processor(dummy, flat).reshape(active, width, vocab)
     out = logits.clone()
-    for b in range(batch):
-        prefix = torch.cat([histories[b], fed[b, 1:]])  # history ends with fed[b, 0]
-        base = histories[b].shape[0]
-        for j in range(int(widths[b])):
-            ids = prefix[: base + j][None]
-            out[b, j] = logits_processor(ids, logits[b, j][None])[0]
+    prefixes = [torch.cat([histories[i], fed[i, 1:]]) for i in range(active)]
+    groups: dict[int, list[tuple[int, int]]] = {}
+    for i in range(active):
+        base = histories[i].shape[0]
+        for j in range(int(widths[i])):
+            groups.setdefault(base + j, []).append((i, j))
+    row_ids = rows.tolist()
+    for length, members in groups.items():
+        i0, j0 = members[0]
+        ids = prefixes[i0][:length].expand(batch_size, length).clone()
+        scores = logits[i0, j0].expand(batch_size, vocab).clone()
+        for i, j in members:
+            ids[row_ids[i]] = prefixes[i][:length]
+            scores[row_ids[i]] = logits[i, j]
+        processed = logits_processor(ids, scores)
+        for i, j in members:
+            out[i, j] = processed[row_ids[i]]
     return out

@@ -1,0 +1,79 @@
+"""Load a checkpoint as an enabled model that defaults to the checkpoint's decoding settings.
+
+Only safetensors weights are read (``use_safetensors=True``); remote code runs only when the
+caller passes ``trust_remote_code=True``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from .config import CONFIG_NAME, ParallelDecodingConfig
+from .integration import enable
+
+__all__ = ["load_model", "default_model_path", "load_default_model", "DEFAULT_MODEL_NAME"]
+
+DEFAULT_MODEL_NAME = "stdlib-coder-8m"
+
+
+def default_model_path() -> Path:
+    """Directory of the embedded demo model (trained by ``recipes/demo_model``)."""
+    return Path(__file__).parent / "assets" / DEFAULT_MODEL_NAME
+
+
+def _find_config(pretrained, hub_kwargs) -> ParallelDecodingConfig | None:
+    path = Path(pretrained)
+    if path.is_dir():
+        return ParallelDecodingConfig.from_pretrained(path) if ParallelDecodingConfig.exists_in(path) else None
+    try:
+        from huggingface_hub import file_exists
+
+        if not file_exists(str(pretrained), CONFIG_NAME, **hub_kwargs):
+            return None
+    except Exception:  # offline, private or missing repo: the model load reports the real problem
+        return None
+    return ParallelDecodingConfig.from_pretrained(pretrained, **hub_kwargs)
+
+
+def load_model(
+    pretrained: str | os.PathLike,
+    *,
+    decoding_config: ParallelDecodingConfig | None = None,
+    attn_implementation: str = "sdpa",
+    trust_remote_code: bool = False,
+    **from_pretrained_kwargs,
+):
+    """``AutoModelForCausalLM.from_pretrained`` + :func:`enable` + the checkpoint's decoding config.
+
+    If ``pretrained`` holds a ``parallel_decoding_config.json`` (or ``decoding_config`` is given),
+    ``model.generate(...)`` uses that decoding and its settings unless the call overrides them.
+    """
+    from transformers import AutoModelForCausalLM
+
+    if from_pretrained_kwargs.get("use_safetensors") is False:
+        raise ValueError("hf_paralleldecode only reads safetensors weights; drop use_safetensors=False.")
+    from_pretrained_kwargs["use_safetensors"] = True
+    hub_kwargs = {k: from_pretrained_kwargs[k] for k in ("revision", "token") if k in from_pretrained_kwargs}
+    model = AutoModelForCausalLM.from_pretrained(
+        pretrained, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code,
+        **from_pretrained_kwargs,
+    )
+    enable(model)
+    config = decoding_config if decoding_config is not None else _find_config(pretrained, hub_kwargs)
+    if config is not None:
+        model.parallel_decoding_config = config
+    return model.eval()
+
+
+def load_default_model(**kwargs):
+    """The embedded demo model and its tokenizer: ``(model, tokenizer)``."""
+    from transformers import AutoTokenizer
+
+    path = default_model_path()
+    if not (path / "model.safetensors").is_file():
+        raise FileNotFoundError(
+            f"The embedded demo model is missing at {path}; reinstall hf_paralleldecode or rebuild it with "
+            "`python recipes/demo_model/train_demo_model.py` (see its docstring)."
+        )
+    return load_model(path, **kwargs), AutoTokenizer.from_pretrained(path)

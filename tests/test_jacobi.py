@@ -1,0 +1,382 @@
+"""Jacobi decoding: exact equivalence with stock greedy generate, and its edges."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from models import ARCHITECTURES, PAD, prompts, tiny_model
+from transformers import StoppingCriteria, StoppingCriteriaList
+
+import hf_paralleldecode as hfpd
+
+
+@functools.lru_cache(maxsize=None)
+def enabled(arch: str, attn: str = "sdpa"):
+    return hfpd.enable(tiny_model(arch, attn=attn))
+
+
+@functools.lru_cache(maxsize=None)
+def reference(arch: str, batch: int, max_new_tokens: int, attn: str = "sdpa"):
+    ids, mask = prompts(batch)
+    return enabled(arch, attn).generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False)
+
+
+@pytest.mark.parametrize("max_new_tokens", [1, 5, 40])
+@pytest.mark.parametrize("block_size", [1, 2, 7, 16, 64])
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_jacobi_matches_greedy(arch, batch, block_size, max_new_tokens):
+    model = enabled(arch)
+    ids, mask = prompts(batch)
+    out = model.generate(
+        input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+        decoding="jacobi", block_size=block_size,
+    )
+    torch.testing.assert_close(out, reference(arch, batch, max_new_tokens), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("init", ["random_context", "repeat"])
+def test_eager_attention_and_inits(arch, init):
+    model = enabled(arch, "eager")
+    ids, mask = prompts(3)
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=40, do_sample=False,
+                         decoding="jacobi", block_size=7, jacobi_init=init)
+    assert torch.equal(out, reference(arch, 3, 40, "eager"))
+
+
+def test_custom_generate_on_stock_model_without_enable():
+    model = tiny_model("qwen2")
+    ids, mask = prompts(3)
+    ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=30, do_sample=False)
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=30, do_sample=False,
+                         custom_generate=hfpd.jacobi, block_size=5)
+    assert torch.equal(out, ref)
+
+
+def _eos_in_the_middle(model, ids, mask, position=6):
+    """A token the greedy output of row 0 produces at ``position`` (used as EOS)."""
+    ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False, eos_token_id=None)
+    token = int(ref[0, ids.shape[1] + position])
+    assert token != PAD
+    return token
+
+
+@pytest.mark.parametrize("block_size", [2, 7, 16])
+@pytest.mark.parametrize("arch", ["llama", "gpt_neox"])
+def test_eos_inside_a_block_pads_like_stock(arch, block_size):
+    model = enabled(arch)
+    ids, mask = prompts(3)
+    eos = _eos_in_the_middle(model, ids, mask)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=30, do_sample=False, eos_token_id=eos)
+    ref = model.generate(**kwargs)
+    out = model.generate(**kwargs, decoding="jacobi", block_size=block_size)
+    assert torch.equal(out, ref)
+    assert (out[0, ids.shape[1]:] == eos).any()  # the EOS really is produced mid-generation
+    assert ref.shape[1] < ids.shape[1] + 30 or (ref == PAD).any()
+
+
+def test_eos_stops_all_rows_early():
+    model = enabled("llama")
+    ids, mask = prompts(1)
+    eos = _eos_in_the_middle(model, ids, mask, position=3)
+    out = model.generate(input_ids=ids, max_new_tokens=30, do_sample=False, eos_token_id=eos,
+                         decoding="jacobi", block_size=16, return_dict_in_generate=True)
+    ref = model.generate(input_ids=ids, max_new_tokens=30, do_sample=False, eos_token_id=eos)
+    assert torch.equal(out.sequences, ref)
+    assert out.sequences.shape[1] == ids.shape[1] + 4
+
+
+@pytest.mark.parametrize(
+    "processor_kwargs",
+    [
+        dict(repetition_penalty=1.3),
+        dict(no_repeat_ngram_size=2),
+        dict(min_new_tokens=12, eos_token_id=None),
+        dict(bad_words_ids=[[5], [7, 8]]),
+        dict(suppress_tokens=[3, 4, 9]),
+        dict(sequence_bias={(11,): 2.0}),
+    ],
+    ids=["repetition_penalty", "no_repeat_ngram", "min_new_tokens", "bad_words", "suppress", "sequence_bias"],
+)
+def test_logits_processors_are_applied_per_position(processor_kwargs):
+    model = enabled("llama")
+    ids, mask = prompts(3)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=25, do_sample=False, **processor_kwargs)
+    if kwargs.get("eos_token_id", 0) is None:  # min_new_tokens: make the EOS likely to be suppressed
+        kwargs["eos_token_id"] = _eos_in_the_middle(model, ids, mask, position=4)
+    ref = model.generate(**kwargs)
+    out = model.generate(**kwargs, decoding="jacobi", block_size=6)
+    assert torch.equal(out, ref)
+
+
+def test_scores_and_logits_match_stock_for_unfinished_rows():
+    model = enabled("llama")
+    ids, mask = prompts(3)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
+                  return_dict_in_generate=True, output_scores=True, output_logits=True, repetition_penalty=1.2)
+    ref = model.generate(**kwargs)
+    out = model.generate(**kwargs, decoding="jacobi", block_size=5)
+    assert torch.equal(out.sequences, ref.sequences)
+    assert len(out.scores) == len(ref.scores) == 12
+    for a, b in zip(out.scores, ref.scores):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    for a, b in zip(out.logits, ref.logits):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_stopping_criteria_see_the_same_batches_as_stock():
+    class Recorder(StoppingCriteria):
+        def __init__(self):
+            self.seen = []
+
+        def __call__(self, input_ids, scores, **kwargs):
+            self.seen.append(input_ids.clone())
+            return input_ids[:, -1] == 50  # an arbitrary per-row stop
+
+    model = enabled("qwen3")
+    ids, mask = prompts(3)
+    rec_ref, rec_out = Recorder(), Recorder()
+    ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False,
+                         stopping_criteria=StoppingCriteriaList([rec_ref]))
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False,
+                         stopping_criteria=StoppingCriteriaList([rec_out]), decoding="jacobi", block_size=8)
+    assert torch.equal(out, ref)
+    assert len(rec_ref.seen) == len(rec_out.seen)
+    assert all(torch.equal(a, b) for a, b in zip(rec_ref.seen, rec_out.seen))
+
+
+def test_statistics_in_dict_output():
+    model = enabled("llama")
+    ids, mask = prompts(3)
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=40, do_sample=False,
+                         decoding="jacobi", block_size=8, return_dict_in_generate=True, eos_token_id=None)
+    assert isinstance(out, hfpd.ParallelDecodingOutput)
+    assert out.decoding == "jacobi"
+    assert out.num_generated_tokens == 3 * 40
+    assert 1 <= out.num_forward_passes <= 40
+    assert out.tokens_per_forward >= 1.0
+    assert out.stats["block_size"] == 8
+
+
+def test_block_size_one_is_plain_greedy_with_one_token_per_forward():
+    model = enabled("llama")
+    ids, _ = prompts(1)
+    out = model.generate(input_ids=ids, max_new_tokens=10, do_sample=False, eos_token_id=None,
+                         decoding="jacobi", block_size=1, return_dict_in_generate=True)
+    assert out.num_forward_passes == 10 and out.tokens_per_forward == 1.0
+
+
+class ForwardRecorder:
+    """Wraps model.forward to record what each target forward is fed."""
+
+    def __init__(self, model):
+        self.calls = []
+        self.model = model
+        self._orig = model.forward
+
+        def forward(*args, **kwargs):
+            cache = kwargs.get("past_key_values")
+            self.calls.append(dict(
+                fed=kwargs["input_ids"].shape[1],
+                cached=cache.get_seq_length() if cache is not None else 0,
+            ))
+            return self._orig(*args, **kwargs)
+
+        model.forward = forward
+
+    def restore(self):
+        del self.model.forward
+
+
+def test_prefix_is_never_recomputed():
+    model = hfpd.enable(tiny_model("llama"))
+    ids, _ = prompts(1, length=9)
+    rec = ForwardRecorder(model)
+    try:
+        out = model.generate(input_ids=ids, max_new_tokens=40, do_sample=False, eos_token_id=None,
+                             decoding="jacobi", block_size=8, return_dict_in_generate=True)
+    finally:
+        rec.restore()
+    calls = rec.calls
+    assert calls[0] == dict(fed=9, cached=0)  # prefill: the prompt, once
+    committed_kv = 9
+    for call in calls[1:]:
+        # every later forward starts right after the committed KV: nothing committed is fed again
+        assert call["cached"] == committed_kv
+        assert 1 <= call["fed"] <= 8
+        committed_kv = None  # next value is checked through the cache length below
+        break
+    # the cache only ever grows by accepted tokens: its length before each forward is increasing,
+    # and the total fed is at most prompt + forwards * block_size
+    cached = [c["cached"] for c in calls[1:]]
+    assert cached == sorted(cached) and len(set(cached)) == len(cached)
+    assert cached[-1] < 9 + 40
+    assert len(calls) == out.num_forward_passes
+    # fed per forward = the unconverged part of the block only (it shrinks within a block)
+    assert sum(c["fed"] for c in calls[1:]) <= (len(calls) - 1) * 8
+
+
+def test_streamer_receives_committed_tokens_in_order_and_end_once():
+    class Recorder:
+        def __init__(self):
+            self.values, self.ended = [], 0
+
+        def put(self, value):
+            self.values.append(value.clone())
+
+        def end(self):
+            self.ended += 1
+
+    model = enabled("llama")
+    ids, _ = prompts(1)
+    rec = Recorder()
+    out = model.generate(input_ids=ids, max_new_tokens=20, do_sample=False, eos_token_id=None,
+                         decoding="jacobi", block_size=6, streamer=rec)
+    assert rec.ended == 1
+    assert torch.equal(rec.values[0], ids)  # the prompt first, as stock generate does
+    streamed = torch.cat([v.reshape(-1) for v in rec.values[1:]])
+    assert torch.equal(streamed, out[0, ids.shape[1]:])
+
+
+def test_text_streamer_prints_the_generation(capsys):
+    from transformers import PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"t{i}": i for i in range(97)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok)
+    from transformers import TextStreamer
+
+    model = enabled("llama")
+    ids, _ = prompts(1)
+    out = model.generate(input_ids=ids, max_new_tokens=10, do_sample=False, eos_token_id=None,
+                         decoding="jacobi", block_size=4, streamer=TextStreamer(tokenizer, skip_prompt=True))
+    printed = capsys.readouterr().out.split()
+    assert printed == tokenizer.convert_ids_to_tokens(out[0, ids.shape[1]:].tolist())
+
+
+def test_sliding_window_model_within_window_is_exact_and_beyond_is_refused():
+    model = hfpd.enable(tiny_model("mistral", sliding_window=64))
+    ids, mask = prompts(3)
+    ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=30, do_sample=False)
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=30, do_sample=False,
+                         decoding="jacobi", block_size=8)
+    assert torch.equal(out, ref)
+    with pytest.raises(ValueError, match="sliding_window"):
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=80, do_sample=False,
+                       decoding="jacobi", block_size=8)
+
+
+def test_rows_that_accept_different_lengths_compact_the_cache(monkeypatch):
+    from hf_paralleldecode.decoding.cache import SlotCache
+
+    monkeypatch.setattr(SlotCache, "compact_min_holes", 0)  # compact whenever a row has a hole
+    monkeypatch.setattr(SlotCache, "compact_ratio", 0.0)
+    model = enabled("llama")
+    ids, mask = prompts(3)
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=200, do_sample=False,
+                         eos_token_id=None, decoding="jacobi", block_size=16, return_dict_in_generate=True)
+    ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=200, do_sample=False, eos_token_id=None)
+    assert torch.equal(out.sequences, ref)
+    assert out.stats["cache_compactions"] >= 1
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(block_size=0), "block_size"),
+        (dict(block_size=-3), "block_size"),
+        (dict(block_size=2.5), "block_size"),
+        (dict(block_size="8"), "block_size"),
+        (dict(block_size=True), "block_size"),
+        (dict(jacobi_init="zeros"), "jacobi_init"),
+        (dict(jacobi_seed=-1), "jacobi_seed"),
+        (dict(num_beams=2), "num_beams"),
+        (dict(do_sample=True), "do_sample=False"),
+        (dict(use_cache=False), "use_cache"),
+        (dict(num_return_sequences=2), "num_return_sequences"),
+        (dict(output_attentions=True, return_dict_in_generate=True), "output_attentions"),
+    ],
+)
+def test_bad_settings_raise_before_any_forward(kwargs, match):
+    model = hfpd.enable(tiny_model("llama"))
+    ids, _ = prompts(1)
+    rec = ForwardRecorder(model)
+    try:
+        with pytest.raises(ValueError, match=match):
+            model.generate(input_ids=ids, max_new_tokens=5, decoding="jacobi", **kwargs)
+    finally:
+        rec.restore()
+    assert rec.calls == []
+
+
+def test_assistant_model_with_decoding_is_refused():
+    model = enabled("llama")
+    ids, _ = prompts(1)
+    with pytest.raises(ValueError, match="assistant"):
+        model.generate(input_ids=ids, max_new_tokens=5, decoding="jacobi", assistant_model=model)
+    with pytest.raises(ValueError, match="prompt_lookup"):
+        model.generate(input_ids=ids, max_new_tokens=5, decoding="jacobi", prompt_lookup_num_tokens=3)
+
+
+def test_flash_attention_and_static_cache_are_refused_with_the_fix():
+    model = hfpd.enable(tiny_model("llama"))
+    ids, _ = prompts(1)
+    model.config._attn_implementation = "flash_attention_2"  # only the name is read before refusing
+    try:
+        with pytest.raises(ValueError, match="attn_implementation='sdpa'"):
+            model.generate(input_ids=ids, max_new_tokens=5, decoding="jacobi", custom_generate=None)
+    finally:
+        model.config._attn_implementation = "sdpa"
+    with pytest.raises(ValueError, match="StaticCache"):
+        model.generate(input_ids=ids, max_new_tokens=5, decoding="jacobi", cache_implementation="static")
+
+
+def test_prefix_constrained_processor_sees_each_rows_batch_index():
+    model = enabled("llama")
+    ids, mask = prompts(3)
+
+    def allowed(batch_id, sent):  # a different vocabulary slice per row
+        return list(range(10 + 20 * batch_id, 30 + 20 * batch_id))
+
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=15, do_sample=False, eos_token_id=None,
+                  prefix_allowed_tokens_fn=allowed)
+    ref = model.generate(**kwargs)
+    out = model.generate(**kwargs, decoding="jacobi", block_size=5)
+    assert torch.equal(out, ref)
+
+
+def test_random_context_init_is_seeded_and_drawn_from_context():
+    from hf_paralleldecode.decoding.jacobi import JacobiProposer
+
+    model = enabled("llama")
+    ids, mask = prompts(3)
+    a = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=30, do_sample=False,
+                       decoding="jacobi", block_size=8, return_dict_in_generate=True, jacobi_seed=3)
+    b = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=30, do_sample=False,
+                       decoding="jacobi", block_size=8, return_dict_in_generate=True, jacobi_seed=3)
+    assert a.num_forward_passes == b.num_forward_passes
+
+    captured = {}
+    orig = JacobiProposer._sample_context
+
+    def spy(self, k):
+        out = orig(self, k)
+        captured.setdefault("draws", []).append((self.run.rows.clone(), out.clone()))
+        return out
+
+    JacobiProposer._sample_context = spy
+    try:
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=30, do_sample=False,
+                       decoding="jacobi", block_size=8)
+    finally:
+        JacobiProposer._sample_context = orig
+    rows, first_draw = captured["draws"][0]
+    first_generated = reference("llama", 3, 40)[:, ids.shape[1]]
+    for i, row in enumerate(rows.tolist()):
+        allowed = set(ids[row][mask[row] == 1].tolist()) | {int(first_generated[row])}
+        assert set(first_draw[i].tolist()) <= allowed  # drawn from the row's context, never padding
