@@ -1,0 +1,339 @@
+"""Benchmark: stock greedy ``generate`` (AR) and parallel decodings side by side, in one process.
+
+Method
+    Every repeat runs, for each prompt, AR first and then every strategy on the same inputs
+    (interleaved, so drifts of a noisy machine hit all of them alike); one untimed warm-up pass
+    comes first. Per run it records:
+
+    * end-to-end seconds (the whole ``generate`` call) and decode-only seconds (from the first
+      generated token reaching the streamer to the end), hence tokens/s both ways;
+    * target forward passes and their total seconds, through forward hooks on the model (the
+      same instrument for AR and for strategies; CUDA is synchronised in the hooks), hence
+      TPF = generated tokens / (forward passes x rows per call), i.e. tokens per forward per
+      sequence (padding after a row's EOS is not counted), and loop overhead = 1 - forward time /
+      wall time;
+    * whether the generated tokens equal AR's (exact match).
+
+    Reported per strategy: medians over repeats of the per-repeat totals, speedup = AR seconds /
+    strategy seconds within the same repeat (median). Writes ``bench.json`` and ``bench.png``.
+
+What it deliberately does not do
+    Assert anything about speed: it measures and reports.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["StrategySpec", "parse_strategy", "run_benchmark", "random_model", "load_prompts"]
+
+
+@dataclass
+class StrategySpec:
+    """A decoding and its settings, written ``name:key=value,key=value`` on the command line."""
+
+    decoding: str
+    settings: dict = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        if not self.settings:
+            return self.decoding
+        return self.decoding + "(" + ",".join(f"{k}={v}" for k, v in sorted(self.settings.items())) + ")"
+
+
+def _parse_value(text: str):
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return {"true": True, "false": False}.get(text.lower(), text)
+
+
+def parse_strategy(text: str) -> StrategySpec:
+    from .registry import get_decoding
+
+    name, _, rest = text.partition(":")
+    get_decoding(name)  # ValueError listing the available ones
+    settings = {}
+    for item in filter(None, rest.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise ValueError(f"Bad strategy setting {item!r} in {text!r}: write key=value.")
+        settings[key.strip()] = _parse_value(value.strip())
+    return StrategySpec(name, settings)
+
+
+def load_prompts(path: str | Path) -> list[str]:
+    """Prompts from a ``.jsonl`` file (``{"prompt": ...}`` per line), ``.json`` list or ``.txt`` (blank-line separated)."""
+    path = Path(path)
+    text = path.read_text()
+    if path.suffix == ".jsonl":
+        prompts = [json.loads(line)["prompt"] for line in text.splitlines() if line.strip()]
+    elif path.suffix == ".json":
+        data = json.loads(text)
+        prompts = [p["prompt"] if isinstance(p, dict) else p for p in data]
+    else:
+        prompts = [p for p in text.split("\n\n") if p.strip()]
+    if not prompts:
+        raise ValueError(f"No prompts in {path}.")
+    return prompts
+
+
+def random_model(name: str, vocab_size: int, seed: int = 0):
+    """Randomly initialised timing models: ``random-100m`` (Qwen2, ~120M parameters) or ``random-tiny``."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    sizes = {
+        "random-100m": dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+                            num_key_value_heads=12),
+        "random-tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2),
+    }
+    if name not in sizes:
+        raise ValueError(f"Unknown random model {name!r}; choose from {sorted(sizes)}.")
+    torch.manual_seed(seed)
+    config = Qwen2Config(vocab_size=vocab_size, max_position_embeddings=4096, tie_word_embeddings=True,
+                         bos_token_id=0, eos_token_id=0, pad_token_id=0, **sizes[name])
+    model = Qwen2ForCausalLM(config)
+    model.set_attn_implementation("sdpa")
+    return model
+
+
+class _ForwardTimer:
+    """Counts target forward passes and their seconds through module hooks."""
+
+    def __init__(self, model):
+        self.count, self.seconds, self._t0 = 0, 0.0, None
+        self._cuda = next(model.parameters()).is_cuda
+        self._handles = [model.register_forward_pre_hook(self._pre), model.register_forward_hook(self._post)]
+
+    def _sync(self):
+        if self._cuda:
+            torch.cuda.synchronize()
+
+    def _pre(self, module, args):
+        self._sync()
+        self._t0 = time.perf_counter()
+
+    def _post(self, module, args, output):
+        self._sync()
+        self.seconds += time.perf_counter() - self._t0
+        self.count += 1
+
+    def reset(self):
+        self.count, self.seconds = 0, 0.0
+
+    def remove(self):
+        for h in self._handles:
+            h.remove()
+
+
+class _FirstTokenClock:
+    """Streamer that notes when the first generated token arrives (the prompt is the first put)."""
+
+    def __init__(self, sync):
+        self.puts, self.first_token_time, self._sync = 0, None, sync
+
+    def put(self, value):
+        self.puts += 1
+        if self.puts == 2:
+            self._sync()
+            self.first_token_time = time.perf_counter()
+
+    def end(self):
+        pass
+
+
+def _one_run(model, enc, spec: StrategySpec | None, max_new_tokens: int, timer: _ForwardTimer):
+    sync = timer._sync
+    clock = _FirstTokenClock(sync)
+    kwargs = dict(**enc, max_new_tokens=max_new_tokens, do_sample=False, streamer=clock)
+    if spec is not None:
+        kwargs.update(decoding=spec.decoding, **spec.settings)
+    timer.reset()
+    sync()
+    t0 = time.perf_counter()
+    out = model.generate(**kwargs)
+    sync()
+    t1 = time.perf_counter()
+    prompt_len = enc["input_ids"].shape[1]
+    gen = out[:, prompt_len:]
+    pad = model.generation_config.pad_token_id
+    eos = model.generation_config.eos_token_id
+    tokens = _count_generated(gen, pad, eos)
+    first = clock.first_token_time or t1
+    return dict(
+        seconds=t1 - t0,
+        decode_seconds=max(t1 - first, 1e-9),
+        tokens=tokens,
+        forwards=timer.count,
+        forward_seconds=timer.seconds,
+        generated=gen.cpu(),
+    )
+
+
+def _count_generated(gen: torch.Tensor, pad, eos) -> int:
+    """Generated tokens up to and including each row's first EOS (padding after it not counted)."""
+    if eos is None:
+        return int(gen.numel())
+    eos_ids = torch.tensor(eos if isinstance(eos, list) else [eos])
+    total = 0
+    for row in gen.cpu():
+        hits = torch.isin(row, eos_ids).nonzero()
+        total += int(hits[0, 0]) + 1 if hits.numel() else row.numel()
+    return total
+
+
+def run_benchmark(
+    model,
+    tokenizer,
+    prompts: list[str],
+    strategies: list[StrategySpec],
+    max_new_tokens: int = 128,
+    repeats: int = 3,
+    batch_size: int = 1,
+    output_dir: str | Path | None = None,
+    progress: bool = True,
+    model_name: str = "model",
+) -> dict:
+    """Run AR and ``strategies`` interleaved; return (and optionally write) the report."""
+    from tqdm.auto import tqdm
+
+    from .integration import enable
+
+    enable(model)
+    device = next(model.parameters()).device
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    batches = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
+    encoded = [tokenizer(b, return_tensors="pt", padding=True).to(device) for b in batches]
+    entries: list[StrategySpec | None] = [None, *strategies]
+    labels = ["ar", *[s.label for s in strategies]]
+    timer = _ForwardTimer(model)
+    # per label, per repeat: summed totals; per label: exact matches vs AR
+    totals = {lab: [] for lab in labels}
+    matches = {lab: [0, 0] for lab in labels}
+    try:
+        for enc in encoded:  # warm-up, untimed
+            for spec in entries:
+                _one_run(model, enc, spec, min(max_new_tokens, 8), timer)
+        bar = tqdm(total=repeats * len(encoded) * len(entries), disable=not progress, desc="bench")
+        for _ in range(repeats):
+            acc = {lab: dict(seconds=0.0, decode_seconds=0.0, tokens=0, decode_tokens=0, forwards=0,
+                             forward_seconds=0.0, rows=0, row_forwards=0) for lab in labels}
+            for enc in encoded:
+                ar_generated = None
+                for lab, spec in zip(labels, entries):
+                    res = _one_run(model, enc, spec, max_new_tokens, timer)
+                    a = acc[lab]
+                    rows = res["generated"].shape[0]
+                    for key in ("seconds", "decode_seconds", "tokens", "forwards", "forward_seconds"):
+                        a[key] += res[key]
+                    a["decode_tokens"] += res["tokens"] - rows
+                    a["rows"] += rows
+                    a["row_forwards"] += rows * res["forwards"]
+                    if spec is None:
+                        ar_generated = res["generated"]
+                    else:
+                        same = [torch.equal(x, y) for x, y in zip(res["generated"], ar_generated)]
+                        matches[lab][0] += sum(same)
+                        matches[lab][1] += len(same)
+                    bar.update(1)
+            for lab in labels:
+                totals[lab].append(acc[lab])
+        bar.close()
+    finally:
+        timer.remove()
+
+    report = dict(
+        model=model_name,
+        parameters=sum(p.numel() for p in model.parameters()),
+        device=str(device),
+        dtype=str(next(model.parameters()).dtype).replace("torch.", ""),
+        torch_threads=torch.get_num_threads(),
+        prompts=len(prompts),
+        batch_size=batch_size,
+        max_new_tokens=max_new_tokens,
+        repeats=repeats,
+        results={},
+    )
+    ar = totals["ar"]
+    for lab in labels:
+        runs = totals[lab]
+        med = statistics.median
+        report["results"][lab] = dict(
+            tpf=med(r["tokens"] / max(r["row_forwards"], 1) for r in runs),
+            tokens_per_second=med(r["tokens"] / r["seconds"] for r in runs),
+            decode_tokens_per_second=med(r["decode_tokens"] / r["decode_seconds"] for r in runs),
+            speedup_vs_ar=med(a["seconds"] / r["seconds"] for a, r in zip(ar, runs)),
+            decode_speedup_vs_ar=med(
+                (r["decode_tokens"] / r["decode_seconds"]) / (a["decode_tokens"] / a["decode_seconds"])
+                for a, r in zip(ar, runs)
+            ),
+            exact_match_vs_ar=(matches[lab][0] / matches[lab][1]) if lab != "ar" else 1.0,
+            loop_overhead=med(1.0 - r["forward_seconds"] / r["seconds"] for r in runs),
+            forward_passes=med(r["forwards"] for r in runs),
+            generated_tokens=med(r["tokens"] for r in runs),
+            seconds=med(r["seconds"] for r in runs),
+        )
+    if output_dir is not None:
+        out = Path(output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "bench.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+        plot_report(report, out / "bench.png")
+    return report
+
+
+def plot_report(report: dict, path: str | Path) -> None:
+    """Bar charts of tokens/s, TPF and loop overhead per strategy (needs matplotlib: ``[bench]`` extra)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:  # pragma: no cover - optional dependency
+        logger.warning("matplotlib is not installed (pip install 'hf_paralleldecode[bench]'); no chart written.")
+        return
+    labels = list(report["results"])
+    res = report["results"]
+    fig, axes = plt.subplots(1, 3, figsize=(4 + 2.2 * len(labels), 4))
+    panels = [
+        ("tokens_per_second", "tokens/s (end to end)"),
+        ("tpf", "tokens per forward (TPF)"),
+        ("loop_overhead", "time outside forward (share)"),
+    ]
+    for ax, (key, title) in zip(axes, panels):
+        values = [res[lab][key] for lab in labels]
+        bars = ax.bar(range(len(labels)), values, color=["#888888"] + ["#3b75af"] * (len(labels) - 1))
+        ax.set_xticks(range(len(labels)), labels, rotation=30, ha="right", fontsize=8)
+        ax.set_title(title, fontsize=10)
+        for b, v in zip(bars, values):
+            ax.annotate(f"{v:.2f}", (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom", fontsize=7)
+    fig.suptitle(f"{report['model']} on {report['device']} ({report['dtype']}), batch {report['batch_size']}, "
+                 f"{report['max_new_tokens']} new tokens", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def format_report(report: dict) -> str:
+    head = f"{'strategy':<34}{'TPF':>6}{'tok/s':>9}{'dec tok/s':>11}{'speedup':>9}{'exact':>7}{'overhead':>10}"
+    lines = [head, "-" * len(head)]
+    for lab, r in report["results"].items():
+        lines.append(
+            f"{lab:<34}{r['tpf']:>6.2f}{r['tokens_per_second']:>9.1f}{r['decode_tokens_per_second']:>11.1f}"
+            f"{r['speedup_vs_ar']:>8.2f}x{r['exact_match_vs_ar']:>7.0%}{r['loop_overhead']:>10.1%}"
+        )
+    return "\n".join(lines)

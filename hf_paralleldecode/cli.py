@@ -1,0 +1,175 @@
+"""``hf-paralleldecode``: demo, benchmark and environment report.
+
+    hf-paralleldecode demo                      # embedded model: AR vs every strategy
+    hf-paralleldecode bench --strategies jacobi:block_size=16 --max-new-tokens 128
+    hf-paralleldecode env                       # versions, for bug reports
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import platform
+import sys
+
+
+def _env(_args) -> int:
+    import importlib.metadata as md
+
+    from . import __version__
+
+    info = {"hf_paralleldecode": __version__, "python": platform.python_version(), "platform": platform.platform()}
+    for pkg in ("torch", "transformers", "accelerate", "trl", "datasets", "safetensors", "flash-attn", "triton"):
+        try:
+            info[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            info[pkg] = "not installed"
+    try:
+        import torch
+
+        info["cuda"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "not available"
+        info["torch_threads"] = torch.get_num_threads()
+    except ImportError:
+        pass
+    from .registry import available_decodings
+
+    info["decodings"] = ", ".join(available_decodings())
+    width = max(map(len, info))
+    for key, value in info.items():
+        print(f"{key:<{width}}  {value}")
+    return 0
+
+
+def _load(args):
+    import torch
+
+    from .bench import random_model
+    from .loading import default_model_path, load_model
+
+    dtype = getattr(torch, args.dtype)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    from transformers import AutoTokenizer
+
+    if args.model.startswith("random-"):
+        tokenizer = AutoTokenizer.from_pretrained(default_model_path())
+        model = random_model(args.model, vocab_size=len(tokenizer))
+        name = args.model
+    else:
+        path = default_model_path() if args.model == "default" else args.model
+        model = load_model(path)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        name = "stdlib-coder-8m (embedded)" if args.model == "default" else str(args.model)
+    model = model.to(device=device, dtype=dtype).eval()
+    return model, tokenizer, name
+
+
+def _add_model_args(p):
+    p.add_argument("--model", default="default",
+                   help="'default' (embedded demo model), a local checkpoint / Hub id, or random-100m / random-tiny")
+    p.add_argument("--prompts", default=None, help="prompts file (.jsonl with a 'prompt' field, .json or .txt)")
+    p.add_argument("--num-prompts", type=int, default=None, help="use only the first N prompts")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+
+
+def _prompts(args, default_count):
+    from pathlib import Path
+
+    from .bench import load_prompts
+
+    path = args.prompts or Path(__file__).parent / "assets" / "prompts" / "stdlib_test.jsonl"
+    prompts = load_prompts(path)
+    n = args.num_prompts or default_count
+    return prompts[:n] if n else prompts
+
+
+def _bench(args) -> int:
+    import torch
+
+    from .bench import format_report, parse_strategy, run_benchmark
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    strategies = [parse_strategy(s) for s in args.strategies]
+    model, tokenizer, name = _load(args)
+    report = run_benchmark(
+        model, tokenizer, _prompts(args, None), strategies, max_new_tokens=args.max_new_tokens,
+        repeats=args.repeats, batch_size=args.batch_size, output_dir=args.output_dir, model_name=name,
+    )
+    print(format_report(report))
+    if args.output_dir:
+        print(f"\nwrote {args.output_dir}/bench.json and bench.png")
+    if args.json:
+        print(json.dumps(report, indent=2, sort_keys=True))
+    return 0
+
+
+def _demo(args) -> int:
+    import torch
+
+    from .bench import StrategySpec, format_report, run_benchmark
+    from .registry import available_decodings
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, tokenizer, name = _load(args)
+    prompts = _prompts(args, 4)
+    demo_settings = {"jacobi": {"block_size": 16}}
+    strategies = [StrategySpec(d, demo_settings.get(d, {})) for d in available_decodings()]
+    print(f"model: {name}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, "
+          f"{next(model.parameters()).device}; {len(prompts)} prompts x {args.max_new_tokens} new tokens\n")
+    enc = tokenizer(prompts[0], return_tensors="pt").to(model.device)
+    out = model.generate(**enc, max_new_tokens=min(args.max_new_tokens, 64), do_sample=False,
+                         decoding="jacobi", block_size=16)
+    print("--- prompt " + "-" * 60)
+    print(prompts[0], end="")
+    print("\033[1m" if sys.stdout.isatty() else "", end="")
+    print(tokenizer.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True))
+    print("\033[0m" if sys.stdout.isatty() else "", end="")
+    print("--- end " + "-" * 63 + "\n")
+    report = run_benchmark(model, tokenizer, prompts, strategies, max_new_tokens=args.max_new_tokens,
+                           repeats=args.repeats, batch_size=args.batch_size, output_dir=args.output_dir,
+                           progress=False, model_name=name)
+    print(format_report(report))
+    exact = all(r["exact_match_vs_ar"] == 1.0 for r in report["results"].values())
+    print(f"\noutputs identical to AR greedy for every strategy: {'yes' if exact else 'NO'}")
+    return 0 if exact else 1
+
+
+def main(argv=None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    parser = argparse.ArgumentParser(prog="hf-paralleldecode", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_env = sub.add_parser("env", help="print versions for bug reports")
+    p_env.set_defaults(func=_env)
+
+    p_bench = sub.add_parser("bench", help="AR vs strategies, interleaved, in one process")
+    _add_model_args(p_bench)
+    p_bench.add_argument("--strategies", nargs="+", default=["jacobi:block_size=4", "jacobi:block_size=16",
+                                                             "jacobi:block_size=64"],
+                         help="name:key=value,... e.g. jacobi:block_size=16")
+    p_bench.add_argument("--repeats", type=int, default=3)
+    p_bench.add_argument("--output-dir", default="bench_out")
+    p_bench.add_argument("--json", action="store_true", help="also print the JSON report")
+    p_bench.set_defaults(func=_bench)
+
+    p_demo = sub.add_parser("demo", help="embedded model: same prompts through AR and every strategy")
+    _add_model_args(p_demo)
+    p_demo.add_argument("--repeats", type=int, default=1)
+    p_demo.add_argument("--output-dir", default=None)
+    p_demo.set_defaults(func=_demo, max_new_tokens=96)
+
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as err:
+        parser.exit(2, f"error: {err}\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

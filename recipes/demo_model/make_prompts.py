@@ -1,0 +1,50 @@
+"""Write the benchmark/demo prompts: function openings from the held-out ``test/`` package.
+
+    python recipes/demo_model/make_prompts.py --out hf_paralleldecode/assets/prompts/stdlib_test.jsonl
+
+Each prompt is up to ``--context_lines`` lines ending with a ``def`` line and the indentation of
+its body, taken from files of the standard library's ``test/`` package (never seen in training).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from train_demo_model import read_text, stdlib_files  # noqa: E402
+
+DEF = re.compile(r"^(\s*)def \w+\(.*\):\s*$")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default="hf_paralleldecode/assets/prompts/stdlib_test.jsonl")
+    p.add_argument("--num_prompts", type=int, default=32)
+    p.add_argument("--context_lines", type=int, default=12)
+    args = p.parse_args(argv)
+    files = [f for f in stdlib_files(held_out=True) if f.stat().st_size > 2000]
+    step = max(len(files) // args.num_prompts, 1)
+    prompts = []
+    for f in files[::step]:
+        lines = read_text(f).splitlines()
+        for i, line in enumerate(lines[args.context_lines :], start=args.context_lines):
+            m = DEF.match(line)
+            if m and len(line) < 100:
+                body_indent = m.group(1) + "    "
+                text = "\n".join(lines[i - args.context_lines : i + 1]) + "\n" + body_indent
+                prompts.append({"prompt": text, "source": f"test/{f.name}:{i + 1}"})
+                break
+        if len(prompts) == args.num_prompts:
+            break
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("".join(json.dumps(x) + "\n" for x in prompts))
+    print(f"wrote {len(prompts)} prompts to {out}")
+
+
+if __name__ == "__main__":
+    main()

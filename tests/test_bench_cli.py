@@ -1,0 +1,74 @@
+"""The benchmark command and the CLI (on a tiny random model; the demo model in test_demo_model)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from models import tiny_model
+
+from hf_paralleldecode import cli
+from hf_paralleldecode.bench import format_report, parse_strategy, run_benchmark
+
+
+def _word_tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(97)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w3"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="w0", eos_token="w2")
+
+
+def test_parse_strategy():
+    spec = parse_strategy("jacobi:block_size=16,jacobi_init=repeat")
+    assert spec.decoding == "jacobi" and spec.settings == {"block_size": 16, "jacobi_init": "repeat"}
+    assert spec.label == "jacobi(block_size=16,jacobi_init=repeat)"
+    with pytest.raises(ValueError, match="Available decodings"):
+        parse_strategy("nope:block_size=2")
+    with pytest.raises(ValueError, match="key=value"):
+        parse_strategy("jacobi:block_size")
+
+
+@pytest.mark.parametrize("batch_size", [1, 2])
+def test_benchmark_reports_every_figure_and_writes_json_and_png(tmp_path, batch_size):
+    model = tiny_model("llama")
+    prompts = ["w5 w6 w7 w8", "w9 w10 w11", "w12 w13 w14 w15 w16"]
+    specs = [parse_strategy("jacobi:block_size=4"), parse_strategy("jacobi:block_size=16")]
+    report = run_benchmark(model, _word_tokenizer(), prompts, specs, max_new_tokens=12, repeats=2,
+                           batch_size=batch_size, output_dir=tmp_path, progress=False)
+    assert set(report["results"]) == {"ar", "jacobi(block_size=4)", "jacobi(block_size=16)"}
+    for r in report["results"].values():
+        assert r["exact_match_vs_ar"] == 1.0
+        assert r["tpf"] >= 0.99 or batch_size > 1
+        assert 0 <= r["loop_overhead"] < 1
+        assert r["tokens_per_second"] > 0 and r["decode_tokens_per_second"] > 0
+    assert abs(report["results"]["ar"]["tpf"] - 1.0) < 1e-9 or batch_size > 1
+    assert json.loads((tmp_path / "bench.json").read_text())["repeats"] == 2
+    assert (tmp_path / "bench.png").stat().st_size > 1000
+    assert "jacobi(block_size=16)" in format_report(report)
+
+
+def test_cli_env(capsys):
+    assert cli.main(["env"]) == 0
+    out = capsys.readouterr().out
+    assert "transformers" in out and "jacobi" in out
+
+
+def test_cli_bench_on_random_tiny_model(tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "def f(x):\\n    return"}\n{"prompt": "import os\\n"}\n')
+    code = cli.main(["bench", "--model", "random-tiny", "--prompts", str(prompts), "--max-new-tokens", "8",
+                     "--repeats", "1", "--strategies", "jacobi:block_size=4", "--output-dir", str(tmp_path / "o")])
+    assert code == 0
+    assert "jacobi(block_size=4)" in capsys.readouterr().out
+    assert (tmp_path / "o" / "bench.json").exists()
+
+
+def test_cli_bad_strategy_is_a_clear_error(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", "--model", "random-tiny", "--strategies", "jacobi:block_size=0", "--repeats", "1",
+                  "--num-prompts", "1", "--max-new-tokens", "4", "--output-dir", ""])
+    assert exc.value.code == 2
+    assert "block_size" in capsys.readouterr().err

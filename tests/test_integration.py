@@ -1,0 +1,145 @@
+"""enable(), the registry, the decoding config and the loader."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+from models import prompts, tiny_model
+
+import hf_paralleldecode as hfpd
+from hf_paralleldecode.config import CONFIG_NAME, ParallelDecodingConfig
+
+
+def test_registry_lists_and_returns_strategies():
+    assert "jacobi" in hfpd.available_decodings()
+    assert hfpd.get_decoding("jacobi") is hfpd.jacobi
+    with pytest.raises(ValueError, match="Available decodings: .*jacobi"):
+        hfpd.get_decoding("jacobbi")
+
+
+def test_register_custom_decoding_and_refuse_silent_overwrite():
+    def mine(model, input_ids, logits_processor, stopping_criteria, generation_config, **kw):
+        return input_ids
+
+    hfpd.register_decoding("test_mine", mine)
+    try:
+        assert hfpd.get_decoding("test_mine") is mine
+        with pytest.raises(ValueError, match="already registered"):
+            hfpd.register_decoding("test_mine", lambda *a, **k: None)
+        model = hfpd.enable(tiny_model("llama"))
+        ids, _ = prompts(1)
+        assert torch.equal(model.generate(input_ids=ids, max_new_tokens=3, decoding="test_mine"), ids)
+    finally:
+        from hf_paralleldecode import registry
+
+        registry._REGISTRY.pop("test_mine")
+
+
+def test_unknown_decoding_name_raises_with_the_list():
+    model = hfpd.enable(tiny_model("llama"))
+    ids, _ = prompts(1)
+    with pytest.raises(ValueError, match="Unknown decoding 'nope'. Available decodings"):
+        model.generate(input_ids=ids, max_new_tokens=3, decoding="nope")
+
+
+def test_enable_keeps_stock_behaviour_class_name_and_isinstance(tmp_path):
+    model = tiny_model("qwen2")
+    cls = type(model)
+    ids, mask = prompts(3)
+    ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
+    same = hfpd.enable(model)
+    assert same is model and hfpd.is_enabled(model) and isinstance(model, cls)
+    assert type(model).__name__ == cls.__name__
+    assert hfpd.enable(model) is model  # idempotent
+    assert torch.equal(model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False), ref)
+    model.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["architectures"] == [cls.__name__]
+    # other instances of the class are untouched
+    assert not hfpd.is_enabled(tiny_model("qwen2"))
+
+
+def test_unknown_strategy_setting_is_not_silently_ignored():
+    model = hfpd.enable(tiny_model("llama"))
+    ids, _ = prompts(1)
+    with pytest.raises(ValueError, match="block_sz"):
+        model.generate(input_ids=ids, max_new_tokens=3, decoding="jacobi", block_sz=4)
+
+
+def test_config_round_trip_sorted_json_and_version(tmp_path):
+    config = ParallelDecodingConfig("jacobi", {"block_size": 32, "jacobi_init": "repeat"}, base_model_name_or_path="x")
+    path = config.save_pretrained(tmp_path)
+    text = path.read_text()
+    data = json.loads(text)
+    assert list(data) == sorted(data)
+    assert data["library_version"] == hfpd.__version__
+    loaded = ParallelDecodingConfig.from_pretrained(tmp_path)
+    assert loaded == config
+    assert loaded.generate_kwargs() == {"decoding": "jacobi", "block_size": 32, "jacobi_init": "repeat"}
+
+
+def test_config_drops_unknown_keys_from_newer_versions_with_a_warning(tmp_path, caplog):
+    data = {"decoding": "jacobi", "settings": {"block_size": 8}, "library_version": "9.0", "future_field": 1}
+    (tmp_path / CONFIG_NAME).write_text(json.dumps(data))
+    with caplog.at_level(logging.WARNING):
+        config = ParallelDecodingConfig.from_pretrained(tmp_path)
+    assert config.settings == {"block_size": 8}
+    assert "future_field" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(decoding="nope"), "Unknown decoding"),
+        (dict(decoding="jacobi", settings={"blocksize": 3}), "Unknown settings"),
+        (dict(decoding="jacobi", settings=[1]), "must be a dict"),
+    ],
+)
+def test_config_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ParallelDecodingConfig(**kwargs)
+
+
+def test_config_from_bad_files(tmp_path):
+    with pytest.raises(ValueError, match=f"No {CONFIG_NAME}"):
+        ParallelDecodingConfig.from_pretrained(tmp_path)
+    (tmp_path / CONFIG_NAME).write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        ParallelDecodingConfig.from_pretrained(tmp_path)
+
+
+def test_loader_defaults_generate_to_the_checkpoint_decoding(tmp_path):
+    model = hfpd.enable(tiny_model("llama"))
+    model.parallel_decoding_config = ParallelDecodingConfig("jacobi", {"block_size": 5})
+    model.save_pretrained(tmp_path)
+    assert (tmp_path / CONFIG_NAME).is_file()
+    assert not list(tmp_path.glob("*.bin"))  # safetensors only
+
+    loaded = hfpd.load_model(tmp_path)
+    assert hfpd.is_enabled(loaded)
+    assert loaded.parallel_decoding_config.settings == {"block_size": 5}
+    ids, mask = prompts(3)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False, eos_token_id=None)
+    out = loaded.generate(**kwargs, return_dict_in_generate=True)
+    assert out.decoding == "jacobi" and out.stats["block_size"] == 5  # checkpoint default used
+    override = loaded.generate(**kwargs, return_dict_in_generate=True, block_size=3)
+    assert override.stats["block_size"] == 3
+    stock = tiny_model("llama").generate(**kwargs)
+    assert torch.equal(out.sequences, stock) and torch.equal(override.sequences, stock)
+
+
+def test_loader_refuses_pickle_weights(tmp_path):
+    with pytest.raises(ValueError, match="safetensors"):
+        hfpd.load_model(tmp_path, use_safetensors=False)
+
+
+def test_import_is_cheap():
+    import subprocess
+    import sys
+
+    code = "import sys, hf_paralleldecode; print(int('torch' in sys.modules), int('transformers' in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["0", "0"]
