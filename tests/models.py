@@ -52,3 +52,13 @@ def prompts(batch: int, length: int = 7, pad_left: tuple[int, ...] = (0, 3, 1), 
             mask[i, :p] = 0
     ids[mask == 0] = PAD
     return ids, mask
+
+
+def word_tokenizer():
+    """A word-level tokenizer over the tiny vocabulary: token i is spelled ``t{i}``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t3"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t0", eos_token="t2")

@@ -5,20 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from models import tiny_model
+from models import tiny_model, word_tokenizer
 
 from hf_paralleldecode import cli
 from hf_paralleldecode.bench import format_report, parse_strategy, run_benchmark
-
-
-def _word_tokenizer():
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {f"w{i}": i for i in range(97)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="w3"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="w0", eos_token="w2")
 
 
 def test_parse_strategy():
@@ -34,9 +24,9 @@ def test_parse_strategy():
 @pytest.mark.parametrize("batch_size", [1, 2])
 def test_benchmark_reports_every_figure_and_writes_json_and_png(tmp_path, batch_size):
     model = tiny_model("llama")
-    prompts = ["w5 w6 w7 w8", "w9 w10 w11", "w12 w13 w14 w15 w16"]
+    prompts = ["t5 t6 t7 t8", "t9 t10 t11", "t12 t13 t14 t15 t16"]
     specs = [parse_strategy("jacobi:block_size=4"), parse_strategy("jacobi:block_size=16")]
-    report = run_benchmark(model, _word_tokenizer(), prompts, specs, max_new_tokens=12, repeats=2,
+    report = run_benchmark(model, word_tokenizer(), prompts, specs, max_new_tokens=12, repeats=2,
                            batch_size=batch_size, output_dir=tmp_path, progress=False)
     assert set(report["results"]) == {"ar", "jacobi(block_size=4)", "jacobi(block_size=16)"}
     for r in report["results"].values():

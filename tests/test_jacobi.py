@@ -6,18 +6,26 @@ import functools
 
 import pytest
 import torch
-from models import ARCHITECTURES, PAD, prompts, tiny_model
+from models import ARCHITECTURES, PAD, prompts, tiny_model, word_tokenizer
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 import hf_paralleldecode as hfpd
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def enabled(arch: str, attn: str = "sdpa"):
     return hfpd.enable(tiny_model(arch, attn=attn))
 
 
-@functools.lru_cache(maxsize=None)
+def assert_jacobi_matches_greedy(model, block_size, **kwargs):
+    """Run stock greedy and Jacobi with the same arguments; assert identical tokens; return Jacobi's."""
+    ref = model.generate(**kwargs)
+    out = model.generate(**kwargs, decoding="jacobi", block_size=block_size)
+    assert torch.equal(out, ref)
+    return out
+
+
+@functools.cache
 def reference(arch: str, batch: int, max_new_tokens: int, attn: str = "sdpa"):
     ids, mask = prompts(batch)
     return enabled(arch, attn).generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False)
@@ -71,11 +79,9 @@ def test_eos_inside_a_block_pads_like_stock(arch, block_size):
     ids, mask = prompts(3)
     eos = _eos_in_the_middle(model, ids, mask)
     kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=30, do_sample=False, eos_token_id=eos)
-    ref = model.generate(**kwargs)
-    out = model.generate(**kwargs, decoding="jacobi", block_size=block_size)
-    assert torch.equal(out, ref)
+    out = assert_jacobi_matches_greedy(model, block_size, **kwargs)
     assert (out[0, ids.shape[1]:] == eos).any()  # the EOS really is produced mid-generation
-    assert ref.shape[1] < ids.shape[1] + 30 or (ref == PAD).any()
+    assert out.shape[1] < ids.shape[1] + 30 or (out == PAD).any()  # a row finished early
 
 
 def test_eos_stops_all_rows_early():
@@ -107,9 +113,7 @@ def test_logits_processors_are_applied_per_position(processor_kwargs):
     kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=25, do_sample=False, **processor_kwargs)
     if kwargs.get("eos_token_id", 0) is None:  # min_new_tokens: make the EOS likely to be suppressed
         kwargs["eos_token_id"] = _eos_in_the_middle(model, ids, mask, position=4)
-    ref = model.generate(**kwargs)
-    out = model.generate(**kwargs, decoding="jacobi", block_size=6)
-    assert torch.equal(out, ref)
+    assert_jacobi_matches_greedy(model, 6, **kwargs)
 
 
 def test_scores_and_logits_match_stock_for_unfinished_rows():
@@ -242,15 +246,9 @@ def test_streamer_receives_committed_tokens_in_order_and_end_once():
 
 
 def test_text_streamer_prints_the_generation(capsys):
-    from transformers import PreTrainedTokenizerFast
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    vocab = {f"t{i}": i for i in range(97)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok)
     from transformers import TextStreamer
 
+    tokenizer = word_tokenizer()
     model = enabled("llama")
     ids, _ = prompts(1)
     out = model.generate(input_ids=ids, max_new_tokens=10, do_sample=False, eos_token_id=None,
@@ -345,9 +343,7 @@ def test_prefix_constrained_processor_sees_each_rows_batch_index():
 
     kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=15, do_sample=False, eos_token_id=None,
                   prefix_allowed_tokens_fn=allowed)
-    ref = model.generate(**kwargs)
-    out = model.generate(**kwargs, decoding="jacobi", block_size=5)
-    assert torch.equal(out, ref)
+    assert_jacobi_matches_greedy(model, 5, **kwargs)
 
 
 def test_random_context_init_is_seeded_and_drawn_from_context():

@@ -1,0 +1,49 @@
+"""The embedded demo model ships with the package, loads offline and decodes losslessly."""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import pytest
+import torch
+
+import hf_paralleldecode as hfpd
+from hf_paralleldecode.bench import load_prompts
+
+
+@functools.lru_cache(maxsize=1)
+def demo():
+    return hfpd.load_default_model()
+
+
+def test_demo_model_files_and_training_report():
+    path = hfpd.default_model_path()
+    assert (path / "model.safetensors").is_file()
+    assert not list(path.glob("*.bin")) and not list(path.glob("*.pt"))
+    assert (path / "model.safetensors").stat().st_size < 40 * 2**20
+    report = json.loads((path / "training_report.json").read_text())
+    assert report["held_out_loss"] < 4.0, "the shipped model should be trained, not random"
+    assert "train_demo_model.py" in report["command"]
+
+
+def test_demo_model_is_a_standard_architecture_that_writes_code():
+    model, tokenizer = demo()
+    assert type(model).__name__ == "Qwen2ForCausalLM"
+    enc = tokenizer("import os\nimport sys\n\n\ndef main():\n    ", return_tensors="pt")
+    out = model.generate(**enc, max_new_tokens=32, do_sample=False)
+    new = out[0, enc["input_ids"].shape[1]:].tolist()
+    assert len(set(new)) >= 6, "greedy output degenerates into one repeated token"
+
+
+@pytest.mark.parametrize("block_size", [4, 16, 64])
+def test_jacobi_on_demo_model_equals_greedy_over_shipped_prompts(block_size):
+    model, tokenizer = demo()
+    tokenizer.padding_side = "left"
+    prompts = [p for p in load_prompts(hfpd.default_model_path().parent / "prompts" / "stdlib_test.jsonl")][:6]
+    batch = tokenizer(prompts, return_tensors="pt", padding=True)
+    kwargs = dict(**batch, max_new_tokens=48, do_sample=False)
+    ref = model.generate(**kwargs)
+    out = model.generate(**kwargs, decoding="jacobi", block_size=block_size, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, ref)
+    assert out.tokens_per_forward >= 1.0
