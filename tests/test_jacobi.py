@@ -179,15 +179,16 @@ class ForwardRecorder:
     def __init__(self, model):
         self.calls = []
         self.model = model
-        self._orig = model.forward
+        orig = model.forward
 
         def forward(*args, **kwargs):
             cache = kwargs.get("past_key_values")
             self.calls.append(dict(
                 fed=kwargs["input_ids"].shape[1],
                 cached=cache.get_seq_length() if cache is not None else 0,
+                first_position=int(kwargs["position_ids"][0, 0]) if kwargs.get("position_ids") is not None else None,
             ))
-            return self._orig(*args, **kwargs)
+            return orig(*args, **kwargs)
 
         model.forward = forward
 
@@ -197,30 +198,31 @@ class ForwardRecorder:
 
 def test_prefix_is_never_recomputed():
     model = hfpd.enable(tiny_model("llama"))
-    ids, _ = prompts(1, length=9)
+    prompt_len, max_new, block = 9, 60, 8
+    ids, _ = prompts(1, length=prompt_len)
     rec = ForwardRecorder(model)
     try:
-        out = model.generate(input_ids=ids, max_new_tokens=40, do_sample=False, eos_token_id=None,
-                             decoding="jacobi", block_size=8, return_dict_in_generate=True)
+        out = model.generate(input_ids=ids, max_new_tokens=max_new, do_sample=False, eos_token_id=None,
+                             decoding="jacobi", block_size=block, return_dict_in_generate=True)
     finally:
         rec.restore()
     calls = rec.calls
-    assert calls[0] == dict(fed=9, cached=0)  # prefill: the prompt, once
-    committed_kv = 9
-    for call in calls[1:]:
-        # every later forward starts right after the committed KV: nothing committed is fed again
-        assert call["cached"] == committed_kv
-        assert 1 <= call["fed"] <= 8
-        committed_kv = None  # next value is checked through the cache length below
-        break
-    # the cache only ever grows by accepted tokens: its length before each forward is increasing,
-    # and the total fed is at most prompt + forwards * block_size
-    cached = [c["cached"] for c in calls[1:]]
-    assert cached == sorted(cached) and len(set(cached)) == len(cached)
-    assert cached[-1] < 9 + 40
     assert len(calls) == out.num_forward_passes
-    # fed per forward = the unconverged part of the block only (it shrinks within a block)
-    assert sum(c["fed"] for c in calls[1:]) <= (len(calls) - 1) * 8
+    assert calls[0]["fed"] == prompt_len and calls[0]["cached"] == 0  # the prompt is fed once
+    for before, after in zip(calls[1:], calls[2:] + [None]):
+        # each forward feeds only new tokens, placed right after the committed KV ...
+        assert before["first_position"] == before["cached"]
+        assert 1 <= before["fed"] <= block
+        if after is not None:
+            # ... and the cache keeps only what was accepted: it grows by 1..fed slots, never re-adds
+            grown = after["cached"] - before["cached"]
+            assert 1 <= grown <= before["fed"]
+            if grown < before["fed"]:  # block not finished: only its unconverged remainder is fed next
+                assert after["fed"] <= before["fed"] - grown
+    # every committed token's KV was computed exactly once: the final cache holds prompt + generated - 1
+    # at most (the last committed token never needs its KV)
+    assert calls[-1]["cached"] + calls[-1]["fed"] <= prompt_len + max_new
+    assert out.sequences.shape[1] == prompt_len + max_new
 
 
 def test_streamer_receives_committed_tokens_in_order_and_end_once():
