@@ -107,13 +107,23 @@ class SlotCache:
     def commit(self, keep: torch.Tensor) -> None:
         """Record which of the slots the last forward appended each row keeps (``keep: [batch, width]``).
 
-        Trailing slots that no row keeps are cropped from the cache; holes stay masked until the
-        next :meth:`compact`.
+        ``keep`` may be any subset (a prefix for Jacobi blocks, a root-to-leaf path for trees).
+        Within the new region each row's kept slots are moved to its front (a gather over
+        ``width`` slots per layer, skipped when every row keeps a prefix), then trailing slots
+        that no row keeps are cropped with ``DynamicCache.crop``. At batch size 1 the cache
+        therefore always equals the committed length; with rows that keep different counts the
+        shorter rows leave holes, masked until the next :meth:`compact`.
         """
         keep = keep.bool()
         width = keep.shape[1]
-        kept_cols = keep.any(0).nonzero()
-        last = int(kept_cols.max()) + 1 if kept_cols.numel() else 0
+        counts = keep.sum(1)  # [batch]
+        cols = torch.arange(width, device=keep.device)
+        as_prefix = cols[None, :] < counts[:, None]
+        if not torch.equal(keep, as_prefix):
+            order = (~keep).long().argsort(dim=1, stable=True)  # kept slots first, in order
+            self._regather(order, start=self.num_slots)
+            keep = as_prefix
+        last = int(counts.max()) if counts.numel() else 0
         if last < width:
             self.cache.crop(-(width - last))
         self.valid = torch.cat([self.valid, keep[:, :last]], dim=1)
@@ -123,6 +133,20 @@ class SlotCache:
             )
         if self._holes_worth_compacting():
             self.compact()
+
+    def _regather(self, index: torch.Tensor, start: int = 0) -> None:
+        """Per row, replace slots ``start:`` of every layer by slots ``start + index`` (``index: [batch, n]``)."""
+        for layer in self.cache.layers:
+            if layer.keys is None or layer.keys.numel() == 0:
+                continue
+            idx = index[:, None, :, None].to(layer.keys.device)
+            for name in ("keys", "values"):
+                t = getattr(layer, name)
+                picked = t[:, :, start:].gather(2, idx.expand(-1, t.shape[1], -1, t.shape[-1]))
+                if start + picked.shape[2] == t.shape[2]:
+                    t[:, :, start:] = picked  # same length: in place (static addresses survive)
+                else:
+                    setattr(layer, name, torch.cat([t[:, :, :start], picked], dim=2) if start else picked)
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only the batch rows ``rows`` (finished rows are dropped from the work)."""
@@ -142,11 +166,6 @@ class SlotCache:
         # Sort key puts holes first and valid slots last, each group in original order.
         key = self.valid.long() * self.num_slots + order
         index = key.argsort(dim=1)[:, -longest:]  # [batch, longest]
-        for layer in self.cache.layers:
-            if layer.keys is None or layer.keys.numel() == 0:
-                continue
-            idx = index[:, None, :, None].to(layer.keys.device)
-            layer.keys = layer.keys.gather(2, idx.expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1]))
-            layer.values = layer.values.gather(2, idx.expand(-1, layer.values.shape[1], -1, layer.values.shape[-1]))
+        self._regather(index)
         self.valid = self.valid.gather(1, index)
         self.num_compactions += 1

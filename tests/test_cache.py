@@ -1,0 +1,85 @@
+"""SlotCache: per-row committed slots, tree-shaped keeps, cropping and compaction stay exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from models import prompts, tiny_model
+from transformers import DynamicCache
+
+from hf_paralleldecode.decoding.cache import SlotCache
+
+# A 4-node tree: 0 is the root (last committed token), 1 and 2 are children of 0, 3 a child of 2.
+PARENT = [-1, 0, 0, 2]
+DEPTH = [0, 1, 1, 2]
+
+
+def tree_mask() -> torch.Tensor:
+    mask = torch.eye(4, dtype=torch.bool)
+    for node in range(4):
+        p = PARENT[node]
+        while p >= 0:
+            mask[node, p] = True
+            p = PARENT[p]
+    return mask
+
+
+def full_logits(model, tokens: list[int]) -> torch.Tensor:
+    """Last-position logits of a plain forward over the whole sequence, no cache."""
+    return model(input_ids=torch.tensor([tokens])).logits[0, -1]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("compact", [False, True])
+def test_tree_keep_then_continue_matches_full_recompute(arch, compact):
+    model = tiny_model(arch)
+    ids, mask = prompts(2, length=6, pad_left=(0, 2))
+    cache = DynamicCache()
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True,
+              position_ids=(mask.cumsum(-1) - 1).clamp(min=0))
+    slots = SlotCache(cache, mask.bool(), dtype=torch.float32)
+    nodes = torch.tensor([[10, 11, 12, 13], [20, 21, 22, 23]])
+    positions = slots.num_valid[:, None] + torch.tensor(DEPTH)[None]
+    with torch.no_grad():
+        model(input_ids=nodes, position_ids=positions, attention_mask=slots.attention_mask(tree_mask()),
+              past_key_values=cache, use_cache=True)
+    keep = torch.tensor([[1, 0, 1, 1], [1, 1, 0, 0]], dtype=torch.bool)  # row 0: path 0-2-3, row 1: 0-1
+    slots.commit(keep)
+    assert cache.get_seq_length() == slots.num_slots == 6 + 3  # trailing column cropped
+    if compact:
+        slots.compact()
+        assert slots.num_slots == int(slots.num_valid.max())
+    nxt = torch.tensor([[30], [40]])
+    with torch.no_grad():
+        out = model(input_ids=nxt, position_ids=slots.num_valid[:, None],
+                    attention_mask=slots.attention_mask(torch.ones(1, 1, dtype=torch.bool)),
+                    past_key_values=cache, use_cache=True).logits[:, -1]
+        paths = [[10, 12, 13, 30], [20, 21, 40]]
+        for row in range(2):
+            prompt = ids[row][mask[row] == 1].tolist()
+            torch.testing.assert_close(out[row], full_logits(model, prompt + paths[row]), rtol=1e-4, atol=1e-4)
+
+
+def test_prefix_keeps_need_no_gather_and_batch_one_has_no_holes():
+    model = tiny_model("llama")
+    ids, mask = prompts(1, length=5)
+    cache = DynamicCache()
+    with torch.no_grad():
+        model(input_ids=ids, past_key_values=cache, use_cache=True)
+    slots = SlotCache(cache, mask.bool(), dtype=torch.float32)
+    with torch.no_grad():
+        model(input_ids=torch.tensor([[5, 6, 7, 8]]), position_ids=torch.arange(5, 9)[None],
+              attention_mask=slots.attention_mask(torch.ones(4, 4, dtype=torch.bool).tril()),
+              past_key_values=cache, use_cache=True)
+    slots.commit(torch.tensor([[1, 1, 0, 0]], dtype=torch.bool))
+    assert cache.get_seq_length() == 7 and bool(slots.valid.all())
+
+
+def test_attention_mask_is_additive_in_model_dtype_and_never_empty():
+    valid = torch.tensor([[0, 1, 1], [1, 1, 1]], dtype=torch.bool)
+    slots = SlotCache(DynamicCache(), valid, dtype=torch.bfloat16)
+    m = slots.attention_mask(torch.ones(2, 2, dtype=torch.bool).tril())
+    assert m.shape == (2, 1, 2, 5) and m.dtype == torch.bfloat16
+    assert m[0, 0, 0, 0] == torch.finfo(torch.bfloat16).min and m[0, 0, 0, 1] == 0
+    assert (m == 0).any(-1).all()  # every query attends to something
