@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from .integration import STOCK
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["StrategySpec", "parse_strategy", "run_benchmark", "random_model", "load_prompts"]
@@ -159,7 +161,9 @@ def _one_run(model, enc, spec: StrategySpec | None, max_new_tokens: int, timer: 
     sync = timer._sync
     clock = _FirstTokenClock(sync)
     kwargs = dict(**enc, max_new_tokens=max_new_tokens, do_sample=False, streamer=clock)
-    if spec is not None:
+    if spec is None:  # AR: stock generate, even if the checkpoint carries decoding defaults
+        kwargs.update(decoding=STOCK)
+    else:
         kwargs.update(decoding=spec.decoding, **spec.settings)
     timer.reset()
     sync()
@@ -278,10 +282,11 @@ def run_benchmark(
             tokens_per_second=med(r["tokens"] / r["seconds"] for r in runs),
             decode_tokens_per_second=med(r["decode_tokens"] / r["decode_seconds"] for r in runs),
             speedup_vs_ar=med(a["seconds"] / r["seconds"] for a, r in zip(ar, runs)),
+            # None when there is no decode phase (one new token, or every row stops at once)
             decode_speedup_vs_ar=med(
                 (r["decode_tokens"] / r["decode_seconds"]) / (a["decode_tokens"] / a["decode_seconds"])
                 for a, r in zip(ar, runs)
-            ),
+            ) if all(a["decode_tokens"] > 0 for a in ar) else None,
             exact_match_vs_ar=(matches[lab][0] / matches[lab][1]) if lab != "ar" else 1.0,
             loop_overhead=med(1.0 - r["forward_seconds"] / r["seconds"] for r in runs),
             forward_passes=med(r["forwards"] for r in runs),

@@ -66,14 +66,40 @@ class ParallelDecodingConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ParallelDecodingConfig:
+        """Build from saved data, leniently: a file written by a newer version still loads.
+
+        Unknown top-level keys and unknown settings are dropped with a warning; an unknown decoding
+        name is kept with a warning (``generate`` then raises, listing the available ones, unless
+        the call passes ``decoding=``).
+        """
+        import inspect
+
+        from .registry import _REGISTRY
+
+        version = data.get("library_version")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(k for k in data if k not in known)
         if unknown:
-            logger.warning(
-                "Ignoring keys %s of a parallel decoding config written by a newer hf_paralleldecode "
-                "(version %s).", unknown, data.get("library_version")
-            )
-        return cls(**{k: v for k, v in data.items() if k in known})
+            logger.warning("Ignoring keys %s of a parallel decoding config written by hf_paralleldecode %s.",
+                           unknown, version)
+        fields = {k: v for k, v in data.items() if k in known}
+        decoding, settings = fields.get("decoding", "jacobi"), fields.get("settings") or {}
+        if not isinstance(settings, dict):
+            raise ValueError(f"`settings` must be a JSON object, got {type(settings).__name__}.")
+        if decoding not in _REGISTRY:
+            logger.warning("Decoding %r (from hf_paralleldecode %s) is not available in this version.",
+                           decoding, version)
+        else:
+            params = inspect.signature(_REGISTRY[decoding]).parameters
+            dropped = sorted(k for k in settings if k not in params)
+            if dropped:
+                logger.warning("Ignoring settings %s of decoding %r unknown to this version.", dropped, decoding)
+            fields["settings"] = {k: v for k, v in settings.items() if k in params}
+        config = object.__new__(cls)  # no strict __post_init__ checks: the data came from a file
+        for f in dataclasses.fields(cls):
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            setattr(config, f.name, fields.get(f.name, default))
+        return config
 
     def save_pretrained(self, save_directory: str | os.PathLike, push_to_hub: bool = False, **push_kwargs) -> Path:
         from . import __version__

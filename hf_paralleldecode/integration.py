@@ -5,7 +5,8 @@ How (decision)
     keeps the original ``__name__`` and ``__module__`` (so ``save_pretrained`` still writes the
     original architecture name and ``isinstance`` checks keep working). No transformers class or
     function is modified; other instances are untouched. The mixin's ``generate`` pops
-    ``decoding`` (default: the checkpoint's ``ParallelDecodingConfig``, if the loader attached one), looks the
+    ``decoding`` (default: the checkpoint's ``ParallelDecodingConfig``, if the loader attached one;
+    ``decoding="stock"`` always runs the stock loop), looks the
     strategy up in the registry and calls the stock ``generate`` with ``custom_generate=<strategy>``,
     so transformers still prepares inputs, cache, processors and stopping criteria.
 
@@ -21,7 +22,10 @@ import inspect
 
 from .registry import get_decoding
 
-__all__ = ["enable", "ParallelDecodingMixin", "is_enabled"]
+__all__ = ["enable", "ParallelDecodingMixin", "is_enabled", "STOCK"]
+
+#: ``decoding="stock"`` runs transformers' own generate, ignoring a checkpoint's decoding defaults.
+STOCK = "stock"
 
 _CLASS_CACHE: dict[type, type] = {}
 
@@ -32,6 +36,8 @@ class ParallelDecodingMixin:
     _hf_paralleldecode_enabled = True
 
     def generate(self, *args, decoding: str | None = None, **kwargs):
+        if decoding == STOCK:
+            return super().generate(*args, **kwargs)
         pd_config = getattr(self, "parallel_decoding_config", None)
         defaults = pd_config.generate_kwargs() if pd_config is not None else {}
         if decoding is None:

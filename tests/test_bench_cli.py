@@ -62,3 +62,15 @@ def test_cli_bad_strategy_is_a_clear_error(capsys):
                   "--num-prompts", "1", "--max-new-tokens", "4", "--output-dir", ""])
     assert exc.value.code == 2
     assert "block_size" in capsys.readouterr().err
+
+
+def test_benchmark_survives_single_token_runs_and_uses_stock_ar(tmp_path):
+    import hf_paralleldecode as hfpd
+    from hf_paralleldecode.config import ParallelDecodingConfig
+
+    model = hfpd.enable(tiny_model("llama"))
+    model.parallel_decoding_config = ParallelDecodingConfig("jacobi", {"block_size": 4})  # must not leak into AR
+    report = run_benchmark(model, word_tokenizer(), ["t5 t6", "t7 t8 t9"], [parse_strategy("jacobi:block_size=4")],
+                           max_new_tokens=1, repeats=1, progress=False)
+    assert report["results"]["ar"]["decode_speedup_vs_ar"] is None  # no decode phase to compare
+    assert report["results"]["ar"]["tpf"] == 1.0

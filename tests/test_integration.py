@@ -143,3 +143,32 @@ def test_import_is_cheap():
     code = "import sys, hf_paralleldecode; print(int('torch' in sys.modules), int('transformers' in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["0", "0"]
+
+
+def test_stock_decoding_bypasses_checkpoint_defaults():
+    model = hfpd.enable(tiny_model("llama"))
+    model.parallel_decoding_config = ParallelDecodingConfig("jacobi", {"block_size": 5})
+    ids, _ = prompts(1)
+    out = model.generate(input_ids=ids, max_new_tokens=5, do_sample=False, decoding="stock",
+                         return_dict_in_generate=True)
+    assert not isinstance(out, hfpd.ParallelDecodingOutput)
+    sampled = model.generate(input_ids=ids, max_new_tokens=5, do_sample=True, decoding="stock")
+    assert sampled.shape == (1, ids.shape[1] + 5)
+    with pytest.raises(ValueError, match='decoding="stock"'):
+        model.generate(input_ids=ids, max_new_tokens=5, do_sample=True)
+
+
+def test_config_from_a_newer_version_loads_with_warnings(caplog):
+    data = {"decoding": "jacobi", "settings": {"block_size": 8, "new_setting": 1}, "library_version": "9.0"}
+    with caplog.at_level(logging.WARNING):
+        config = ParallelDecodingConfig.from_dict(data)
+    assert config.settings == {"block_size": 8} and "new_setting" in caplog.text
+    with caplog.at_level(logging.WARNING):
+        future = ParallelDecodingConfig.from_dict({"decoding": "from_the_future", "settings": {"k": 1}})
+    assert future.decoding == "from_the_future" and "from_the_future" in caplog.text
+    model = hfpd.enable(tiny_model("llama"))
+    model.parallel_decoding_config = future
+    ids, _ = prompts(1)
+    with pytest.raises(ValueError, match="Unknown decoding 'from_the_future'"):
+        model.generate(input_ids=ids, max_new_tokens=3)
+    assert model.generate(input_ids=ids, max_new_tokens=3, decoding="stock").shape[1] == ids.shape[1] + 3

@@ -378,3 +378,35 @@ def test_random_context_init_is_seeded_and_drawn_from_context():
     for i, row in enumerate(rows.tolist()):
         allowed = set(ids[row][mask[row] == 1].tolist()) | {int(first_generated[row])}
         assert set(first_draw[i].tolist()) <= allowed  # drawn from the row's context, never padding
+
+
+def test_right_padding_and_explicit_position_ids_follow_stock_positions():
+    model = enabled("llama")
+    ids, _ = prompts(3)
+    mask = torch.ones_like(ids)
+    mask[1, -3:] = 0  # right padding (stock warns, but still generates)
+    mask[2, -1:] = 0
+    assert_jacobi_matches_greedy(model, 4, input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
+    one, _ = prompts(1)
+    assert_jacobi_matches_greedy(model, 4, input_ids=one, position_ids=torch.arange(7)[None] + 5,
+                                 max_new_tokens=10, do_sample=False)
+
+
+def test_processors_that_run_the_model_are_refused():
+    model = enabled("llama")
+    ids, _ = prompts(1)
+    with pytest.raises(ValueError, match="guidance"):
+        model.generate(input_ids=ids, max_new_tokens=5, decoding="jacobi", guidance_scale=1.5)
+
+
+def test_direct_call_with_no_room_returns_the_prompt():
+    from transformers import GenerationConfig, StoppingCriteriaList
+    from transformers.generation.stopping_criteria import MaxLengthCriteria
+
+    model = tiny_model("llama")
+    ids, _ = prompts(1)
+    config = GenerationConfig(max_length=ids.shape[1], pad_token_id=PAD, do_sample=False)
+    config._pad_token_tensor, config._eos_token_tensor = torch.tensor(PAD), None
+    out = hfpd.jacobi(model, ids, logits_processor=None, stopping_criteria=StoppingCriteriaList(
+        [MaxLengthCriteria(ids.shape[1])]), generation_config=config, block_size=4)
+    assert torch.equal(out, ids)

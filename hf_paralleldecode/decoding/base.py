@@ -24,7 +24,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .cache import SlotCache, prepare_cache
 from .commit import CommitLog
-from .processors import process_block
+from .processors import MODEL_CALLING_PROCESSORS, process_block
 
 __all__ = ["DecodeRun", "ParallelDecodingOutput", "start", "check_int_setting"]
 
@@ -40,6 +40,11 @@ class ParallelDecodingOutput(GenerateDecoderOnlyOutput):
         num_generated_tokens: tokens generated, summed over rows, up to each row's stop.
         tokens_per_forward: TPF = generated tokens / target forward passes, averaged per row
             (sum over rows of tokens / sum over rows of the forwards that row took part in).
+
+    ``scores`` / ``logits`` (with ``output_scores`` / ``output_logits``) hold, per step, the values
+    of the committed tokens; rows that had already finished at that step hold zeros (stock
+    generation fills them with the scores of its padding continuation, which is never computed
+    here). ``past_key_values`` is ``None``: the cache holds per-row holes and is not reusable as is.
         decoding: name of the strategy.
         stats: strategy-specific counters (e.g. cache compactions).
     """
@@ -68,7 +73,7 @@ def _validate(model, name, input_ids, generation_config, logits_processor, model
     if generation_config.do_sample and not allow_sampling:
         raise ValueError(
             f"decoding={name!r} is greedy-only for now: pass do_sample=False (sampling verification is not "
-            "available for this strategy yet)."
+            'available for this strategy yet), or decoding="stock" for stock sampling.'
         )
     if generation_config.num_return_sequences not in (None, 1):
         raise ValueError(f"decoding={name!r} supports num_return_sequences=1 only.")
@@ -83,6 +88,13 @@ def _validate(model, name, input_ids, generation_config, logits_processor, model
         raise ValueError(f"decoding={name!r} needs input_ids; inputs_embeds are not supported.")
     if input_ids.shape[1] == 0:
         raise ValueError("decoding needs a non-empty prompt (input_ids of length >= 1).")
+    for proc in logits_processor or []:
+        if isinstance(proc, MODEL_CALLING_PROCESSORS):
+            raise ValueError(
+                f"{type(proc).__name__} (guidance_scale / classifier-free guidance) runs the model once per "
+                f"generated token with its own cache, which decoding={name!r} cannot reproduce over a block. "
+                'Drop guidance_scale, or use decoding="stock".'
+            )
     attn = getattr(model.config, "_attn_implementation", None) or "eager"
     if attn not in SUPPORTED_ATTENTION:
         raise ValueError(
@@ -117,16 +129,17 @@ class DecodeRun:
         see which; returns fp32 logits ``[active, width, vocab]``.
         """
         kwargs = {"logits_to_keep": 0} if self._forward_takes_logits_to_keep else {}
+        device = self.model.device
         t0 = time.perf_counter()
         out = self.model(
-            input_ids=input_ids,
-            position_ids=position_ids,
-            attention_mask=self.slots.attention_mask(intra_mask),
+            input_ids=input_ids.to(device),
+            position_ids=position_ids.to(device),
+            attention_mask=self.slots.attention_mask(intra_mask).to(device),
             past_key_values=self.slots.cache,
             use_cache=True,
             **kwargs,
         )
-        logits = out.logits.float()
+        logits = out.logits.float().to(input_ids.device)
         self.model_seconds += time.perf_counter() - t0
         self.num_forward_passes += 1
         return logits
@@ -143,6 +156,10 @@ class DecodeRun:
     def history(self, row: int) -> torch.Tensor:
         """Padded prompt + committed tokens of original row ``row`` (what stock would pass processors)."""
         return torch.cat([self.prompt[row], self.log.tokens[row, : int(self.log.count[row])]])
+
+    def next_positions(self) -> torch.Tensor:
+        """``[active]`` position id of each active row's next token (continues the prompt's ids)."""
+        return self.slots.num_valid + self.position_offset[self.rows]
 
     # ---- row management -------------------------------------------------------------------------
     def drop_finished(self) -> torch.Tensor | None:
@@ -216,19 +233,22 @@ def start(
     rows = torch.arange(batch, device=input_ids.device)
     run = DecodeRun(model, name, input_ids, generation_config, logits_processor, log, slots, rows)
     run.prompt_mask = attention_mask.bool()  # [batch, prompt_len]
+    # Stock generation continues each row's position ids from the prompt's last one; with left
+    # padding that equals the number of real tokens, in general it is offset from it.
+    run.position_offset = position_ids[:, -1] + 1 - attention_mask.long().sum(-1)  # [batch]
     if log.max_new_tokens == 0:
         return run
 
     t0 = time.perf_counter()
     out = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
+        input_ids=input_ids.to(model.device),
+        attention_mask=attention_mask.to(model.device),
+        position_ids=position_ids.to(model.device),
         past_key_values=cache,
         use_cache=True,
         **({"logits_to_keep": 1} if run._forward_takes_logits_to_keep else {}),
     )
-    logits = out.logits[:, -1].float()  # [batch, vocab]
+    logits = out.logits[:, -1].float().to(input_ids.device)  # [batch, vocab]
     run.model_seconds += time.perf_counter() - t0
     run.num_forward_passes += 1
     scores = logits_processor(input_ids, logits) if logits_processor else logits

@@ -132,8 +132,9 @@ def jacobi(
         jacobi_init: how the guesses of a new block are initialised, ``"random_context"`` or
             ``"repeat"`` (see the module docstring). Changes speed only, never the output.
         jacobi_seed: seed of the generator used by ``"random_context"``.
-        pd_streamer: streamer receiving committed tokens (``decoding=`` routes ``streamer=`` here,
-            because transformers does not hand ``streamer`` to ``custom_generate`` callables).
+        pd_streamer: streamer receiving committed tokens. ``decoding=`` routes ``streamer=`` here;
+            with ``custom_generate=jacobi`` pass ``pd_streamer=`` yourself, because transformers
+            does not hand ``streamer`` to ``custom_generate`` callables (it would only see the prompt).
     """
     wall_start = time.perf_counter()
     _check_jacobi_settings(block_size, jacobi_init, jacobi_seed)
@@ -141,6 +142,8 @@ def jacobi(
         model, "jacobi", input_ids, logits_processor, stopping_criteria, generation_config,
         pd_streamer if pd_streamer is not None else streamer, model_kwargs,
     )
+    if run.log.done:  # no room for new tokens (only reachable by calling the strategy directly)
+        return run.result(bool(generation_config.return_dict_in_generate), wall_start)
     proposer = JacobiProposer(run, block_size, jacobi_init, jacobi_seed)
     tril = torch.ones(block_size, block_size, dtype=torch.bool, device=input_ids.device).tril()
 
@@ -153,7 +156,7 @@ def jacobi(
         widths = proposer.widths()  # [active]
         width = int(widths.max())
         fed = proposer.draft[:, :width]  # [active, width]
-        positions = run.slots.num_valid[:, None] + torch.arange(width, device=fed.device)
+        positions = run.next_positions()[:, None] + torch.arange(width, device=fed.device)
         logits = run.forward(fed, positions, tril[:width, :width])  # [active, width, vocab]
         scores = run.process(logits, fed, widths)
         choices = scores.argmax(-1)  # [active, width]

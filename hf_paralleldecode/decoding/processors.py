@@ -23,7 +23,14 @@ from __future__ import annotations
 import torch
 from transformers.generation import logits_process as lp
 
-__all__ = ["process_block", "PREFIX_INDEPENDENT_PROCESSORS"]
+__all__ = ["process_block", "PREFIX_INDEPENDENT_PROCESSORS", "MODEL_CALLING_PROCESSORS"]
+
+# Processors that run the model themselves, once per generated token (refused by every strategy).
+MODEL_CALLING_PROCESSORS: tuple[type, ...] = tuple(
+    getattr(lp, name)
+    for name in ("UnbatchedClassifierFreeGuidanceLogitsProcessor", "ClassifierFreeGuidanceLogitsProcessor")
+    if hasattr(lp, name)
+)
 
 # Processors whose output depends on the scores alone (never on input_ids): safe to batch.
 PREFIX_INDEPENDENT_PROCESSORS: tuple[type, ...] = tuple(
