@@ -324,8 +324,9 @@ def plot_report(report: dict, path: str | Path) -> None:
         bars = ax.bar(range(len(labels)), values, color=["#888888"] + ["#3b75af"] * (len(labels) - 1))
         ax.set_xticks(range(len(labels)), labels, rotation=30, ha="right", fontsize=8)
         ax.set_title(title, fontsize=10)
+        fmt = "{:.1%}" if key == "loop_overhead" else "{:.2f}"
         for b, v in zip(bars, values):
-            ax.annotate(f"{v:.2f}", (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom", fontsize=7)
+            ax.annotate(fmt.format(v), (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom", fontsize=7)
     fig.suptitle(f"{report['model']} on {report['device']} ({report['dtype']}), batch {report['batch_size']}, "
                  f"{report['max_new_tokens']} new tokens", fontsize=10)
     fig.tight_layout()

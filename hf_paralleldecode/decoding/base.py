@@ -25,6 +25,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from .cache import SlotCache, prepare_cache
 from .commit import CommitLog
 from .processors import MODEL_CALLING_PROCESSORS, process_block
+from .tree import PackedTree, greedy_tree_accept
 
 __all__ = ["DecodeRun", "ParallelDecodingOutput", "start", "check_int_setting"]
 
@@ -121,37 +122,66 @@ class DecodeRun:
         self.stats: dict = {}
         self._forward_takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
 
-    # ---- the target forward --------------------------------------------------------------------
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, intra_mask: torch.Tensor) -> torch.Tensor:
-        """One target forward of ``input_ids [active, width]`` appended after the committed slots.
+    # ---- the target forward and the general greedy verifier ----------------------------------
+    def forward(self, tree: PackedTree) -> torch.Tensor:
+        """One target forward of the packed ``tree`` after each row's committed slots.
 
-        ``intra_mask`` (bool ``[width, width]`` or ``[active, width, width]``) says which new tokens
-        see which; returns fp32 logits ``[active, width, vocab]``.
+        Nodes sit at position ``next_position + depth`` and attend to the row's committed slots
+        plus their ancestors; returns fp32 logits ``[active, nodes, vocab]``.
         """
         kwargs = {"logits_to_keep": 0} if self._forward_takes_logits_to_keep else {}
         device = self.model.device
+        positions = self.next_positions()[:, None] + tree.depth
         t0 = time.perf_counter()
         out = self.model(
-            input_ids=input_ids.to(device),
-            position_ids=position_ids.to(device),
-            attention_mask=self.slots.attention_mask(intra_mask).to(device),
+            input_ids=tree.tokens.to(device),
+            position_ids=positions.to(device),
+            attention_mask=self.slots.attention_mask(tree.mask).to(device),
             past_key_values=self.slots.cache,
             use_cache=True,
             **kwargs,
         )
-        logits = out.logits.float().to(input_ids.device)
+        logits = out.logits.float().to(tree.tokens.device)
         self.model_seconds += time.perf_counter() - t0
         self.num_forward_passes += 1
         return logits
 
-    def process(self, logits, fed, widths) -> torch.Tensor:
-        """Processed scores ``[active, width, vocab]`` for fed tokens (see ``processors.process_block``)."""
+    def process(self, logits: torch.Tensor, tree: PackedTree) -> torch.Tensor:
+        """Processed scores ``[active, nodes, vocab]`` (see ``processors.process_block``)."""
         if not self.logits_processor:
             return logits
         histories = [self.history(int(r)) for r in self.rows]
-        return process_block(
-            self.logits_processor, logits, fed, widths, histories, self.rows, self.prompt.shape[0]
+        return process_block(self.logits_processor, logits, tree, histories, self.rows, self.prompt.shape[0])
+
+    def verify_greedy(self, tree: PackedTree) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feed ``tree``, accept the longest greedy path plus the bonus token, commit, emit.
+
+        Returns the target's ``choices`` ``[active, nodes]`` (the Jacobi update for chains) and
+        ``num_accepted`` ``[active]`` (nodes accepted below the root; the step commits one more).
+        """
+        logits = self.forward(tree)
+        scores = self.process(logits, tree)
+        choices = scores.argmax(-1)  # [active, nodes]
+        path, num = greedy_tree_accept(tree, choices)
+        self.commit_path(path, num, choices, scores, logits)
+        return choices, num
+
+    def commit_path(self, path, num, choices, scores, logits) -> None:
+        """Commit the accepted path's tokens + bonus (``num + 1`` per row) and keep the path's KV."""
+        idx = path.clamp(min=0)  # [active, depth + 1]; entries past num are ignored
+        vocab_idx = idx[..., None].expand(-1, -1, scores.shape[-1])
+        self.log.add(
+            self.rows,
+            choices.gather(1, idx),
+            num + 1,
+            scores.gather(1, vocab_idx) if self.log.scores is not None else None,
+            logits.gather(1, vocab_idx) if self.log.logits is not None else None,
         )
+        keep = torch.zeros_like(choices, dtype=torch.bool)
+        keep.scatter_(1, idx, path >= 0)
+        keep[:, 0] = True  # the root (the last committed token) always gets its KV
+        self.slots.commit(keep)
+        self.log.emit()
 
     def history(self, row: int) -> torch.Tensor:
         """Padded prompt + committed tokens of original row ``row`` (what stock would pass processors)."""

@@ -31,7 +31,7 @@ import time
 import torch
 
 from .base import check_int_setting, start
-from .verify import greedy_accept
+from .tree import chain_tree
 
 __all__ = ["jacobi", "JACOBI_INITS"]
 
@@ -145,7 +145,6 @@ def jacobi(
     if run.log.done:  # no room for new tokens (only reachable by calling the strategy directly)
         return run.result(bool(generation_config.return_dict_in_generate), wall_start)
     proposer = JacobiProposer(run, block_size, jacobi_init, jacobi_seed)
-    tril = torch.ones(block_size, block_size, dtype=torch.bool, device=input_ids.device).tril()
 
     while not run.log.done:
         kept = run.drop_finished()
@@ -154,18 +153,9 @@ def jacobi(
         if run.rows.numel() == 0:
             break
         widths = proposer.widths()  # [active]
-        width = int(widths.max())
-        fed = proposer.draft[:, :width]  # [active, width]
-        positions = run.next_positions()[:, None] + torch.arange(width, device=fed.device)
-        logits = run.forward(fed, positions, tril[:width, :width])  # [active, width, vocab]
-        scores = run.process(logits, fed, widths)
-        choices = scores.argmax(-1)  # [active, width]
-        accepted = greedy_accept(fed[:, 1:], choices[:, :-1], widths - 1)  # [active]
-        run.log.add(run.rows, choices, accepted + 1, scores, logits)
-        cols = torch.arange(width, device=fed.device)
-        run.slots.commit(cols[None, :] < (accepted + 1)[:, None])
+        block = chain_tree(proposer.draft[:, : int(widths.max())], widths)
+        choices, accepted = run.verify_greedy(block)
         proposer.update(choices, accepted)
-        run.log.emit()
 
     run.stats["block_size"] = block_size
     return run.result(bool(generation_config.return_dict_in_generate), wall_start)

@@ -4,7 +4,7 @@ What it is for
     A verifier scores ``width`` positions per row in one forward. Stock generation would have
     called each processor once per token with that row's ids so far (padded prompt + generated
     tokens). :func:`process_block` reproduces that: position ``j`` of row ``b`` is processed with
-    the row's own prefix ``history[b] + fed[b, 1 : j + 1]``.
+    the row's own prefix: its history plus the tokens on the path from the tree's root to ``j``.
 
 Two paths
     * fast: when every processor ignores ``input_ids`` (the stateless warpers such as temperature,
@@ -52,43 +52,53 @@ PREFIX_INDEPENDENT_PROCESSORS: tuple[type, ...] = tuple(
 
 def process_block(
     logits_processor,
-    logits: torch.Tensor,  # [active, width, vocab] raw logits, fp32
-    fed: torch.Tensor,  # [active, width] tokens fed; fed[:, 0] is each row's last committed token
-    widths: torch.Tensor,  # [active] number of real (non-filler) positions per row
-    histories: list[torch.Tensor],  # per active row: padded prompt + committed tokens (ends with fed[i, 0])
+    logits: torch.Tensor,  # [active, nodes, vocab] raw logits, fp32
+    tree,  # PackedTree that was fed (node 0 = each row's last committed token)
+    histories: list[torch.Tensor],  # per active row: padded prompt + committed tokens (ends with the root)
     rows: torch.Tensor,  # [active] index of each active row in the original batch
     batch_size: int,  # rows of the original batch (what processors were built for)
 ) -> torch.Tensor:
-    """Return processed scores ``[active, width, vocab]``; filler positions are left unprocessed.
+    """Return processed scores ``[active, nodes, vocab]``; filler nodes are left unprocessed.
 
-    Exact path: positions are grouped by prefix length; each group is one processor call on a
-    full-size batch ``[batch_size, length]`` in which every participating row sits at its own index
-    (the other rows are placeholders whose output is discarded). Processors thus see exactly the
-    batch layout stock generation gives them, batch-indexed state included.
+    Node ``j`` of row ``i`` is processed with the prefix ``histories[i]`` + the tokens on the path
+    from the root down to ``j``. Exact path: nodes are grouped by prefix length; each group is one
+    processor call on a full-size batch ``[batch_size, length]`` in which every participating row
+    sits at its own index (the other rows are placeholders whose output is discarded), so
+    processors see exactly the layout stock generation gives them, batch-indexed state included.
+    Two nodes of one row at the same depth go to separate calls.
     """
     if not logits_processor:
         return logits
     active, width, vocab = logits.shape
     if all(isinstance(p, PREFIX_INDEPENDENT_PROCESSORS) for p in logits_processor):
         flat = logits.reshape(active * width, vocab)
-        dummy = fed.reshape(active * width, 1)
-        return logits_processor(dummy, flat).reshape(active, width, vocab)
+        return logits_processor(tree.tokens.reshape(active * width, 1), flat).reshape(active, width, vocab)
     out = logits.clone()
-    prefixes = [torch.cat([histories[i], fed[i, 1:]]) for i in range(active)]
-    groups: dict[int, list[tuple[int, int]]] = {}
-    for i in range(active):
-        base = histories[i].shape[0]
-        for j in range(int(widths[i])):
-            groups.setdefault(base + j, []).append((i, j))
+    calls: list[dict[int, tuple[int, int, torch.Tensor]]] = []  # per call: original row -> (i, node, prefix)
+    by_length: dict[int, list[int]] = {}  # prefix length -> indices into calls
+    num_nodes = tree.num_nodes.tolist()
     row_ids = rows.tolist()
-    for length, members in groups.items():
-        i0, j0 = members[0]
-        ids = prefixes[i0][:length].expand(batch_size, length).clone()
+    for i in range(active):
+        for j in range(num_nodes[i]):
+            if tree.is_chain:
+                suffix = tree.tokens[i, 1 : j + 1]
+            else:
+                suffix = torch.tensor(tree.path_tokens(i, j), dtype=torch.long, device=logits.device)
+            prefix = torch.cat([histories[i], suffix])
+            slot = next((c for c in by_length.get(prefix.shape[0], []) if row_ids[i] not in calls[c]), None)
+            if slot is None:
+                slot = len(calls)
+                calls.append({})
+                by_length.setdefault(prefix.shape[0], []).append(slot)
+            calls[slot][row_ids[i]] = (i, j, prefix)
+    for call in calls:
+        (i0, j0, p0) = next(iter(call.values()))
+        ids = p0.expand(batch_size, p0.shape[0]).clone()
         scores = logits[i0, j0].expand(batch_size, vocab).clone()
-        for i, j in members:
-            ids[row_ids[i]] = prefixes[i][:length]
-            scores[row_ids[i]] = logits[i, j]
+        for row, (i, j, prefix) in call.items():
+            ids[row] = prefix
+            scores[row] = logits[i, j]
         processed = logits_processor(ids, scores)
-        for i, j in members:
-            out[i, j] = processed[row_ids[i]]
+        for row, (i, j, _) in call.items():
+            out[i, j] = processed[row]
     return out

@@ -1,0 +1,157 @@
+"""Token trees: the one packing every drafter's guesses go through before a single target forward.
+
+What it is for
+    Candidates of any origin (a Jacobi block, recycled n-grams, lookahead guesses, draft-head
+    trees) continue the row's last committed token, the *root*. :func:`pack_trees` merges each
+    row's candidates into a trie (shared prefixes stored once), lays the nodes out along the
+    sequence axis in topological order and gives each node its depth (position offset) and its
+    ancestors-or-self attention row. :func:`chain_tree` builds the degenerate one-path tree of a
+    Jacobi block without Python loops. :func:`greedy_tree_accept` walks from the root along the
+    children whose token equals the target's greedy choice and returns the accepted path plus the
+    bonus token. The KV of exactly the path's nodes is then kept by ``SlotCache.commit``.
+
+Shapes (``batch`` rows, ``nodes`` packed nodes per row, node 0 is always the root)
+    ``tokens``, ``parents``, ``depth``: ``[batch, nodes]``; ``mask``: ``[batch, nodes, nodes]``.
+    Rows with fewer nodes are padded with *filler* nodes (parent ``-1``, attend to themselves only).
+
+What it deliberately does not know
+    Where candidates come from, and sampling-based acceptance.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["PackedTree", "pack_trees", "chain_tree", "greedy_tree_accept"]
+
+
+@dataclass
+class PackedTree:
+    tokens: torch.Tensor  # [batch, nodes] node 0 = root (last committed token)
+    parents: torch.Tensor  # [batch, nodes] parent node, -1 for the root and for filler
+    depth: torch.Tensor  # [batch, nodes] 0 for the root (and filler)
+    num_nodes: torch.Tensor  # [batch] real nodes; the rest are filler
+    mask: torch.Tensor  # [batch, nodes, nodes] bool: node i attends to node j (ancestor or self)
+    is_chain: bool = False  # every row is a single path laid out in order (a Jacobi block)
+
+    @property
+    def width(self) -> int:
+        return self.tokens.shape[1]
+
+    @property
+    def real(self) -> torch.Tensor:  # [batch, nodes] bool
+        return torch.arange(self.width, device=self.tokens.device)[None] < self.num_nodes[:, None]
+
+    def path_tokens(self, row: int, node: int) -> list[int]:
+        """Tokens from the root's child down to ``node`` (inclusive); empty for the root."""
+        out = []
+        parents, tokens = self.parents[row].tolist(), self.tokens[row].tolist()
+        while node > 0:
+            out.append(tokens[node])
+            node = parents[node]
+        return out[::-1]
+
+
+def chain_tree(tokens: torch.Tensor, widths: torch.Tensor) -> PackedTree:
+    """A single path per row: ``tokens[:, 0]`` is the root, ``widths`` real nodes per row."""
+    batch, width = tokens.shape
+    idx = torch.arange(width, device=tokens.device)
+    real = idx[None] < widths[:, None]
+    parents = torch.where(real & (idx[None] > 0), idx[None] - 1, -1).expand(batch, width)
+    depth = torch.where(real, idx[None], 0).expand(batch, width)
+    mask = torch.ones(width, width, dtype=torch.bool, device=tokens.device).tril()[None].expand(batch, -1, -1)
+    # filler positions come after the real ones, so the plain causal mask never lets a real node see one
+    return PackedTree(tokens, parents, depth, widths, mask, is_chain=True)
+
+
+def pack_trees(
+    roots: torch.Tensor,  # [batch] last committed token of each row
+    candidates: Sequence[Sequence[Sequence[int]]],  # per row, candidate continuations (token lists)
+    max_nodes: int | None = None,  # node budget per row, root included (None = no limit)
+) -> PackedTree:
+    """Merge each row's candidates into a trie under its root and pack all rows for one forward.
+
+    Candidates are inserted in the order given until the node budget is spent (a candidate that
+    does not fit is truncated), so put the most promising first.
+    """
+    if max_nodes is not None and max_nodes < 1:
+        raise ValueError(f"max_nodes must be >= 1, got {max_nodes}.")
+    batch = roots.shape[0]
+    if len(candidates) != batch:
+        raise ValueError(f"Got candidates for {len(candidates)} rows, expected {batch}.")
+    rows_tokens, rows_parents, rows_depth = [], [], []
+    for b in range(batch):
+        toks, pars, deps = [int(roots[b])], [-1], [0]
+        children: dict[tuple[int, int], int] = {}
+        for cand in candidates[b]:
+            node = 0
+            for tok in cand:
+                key = (node, int(tok))
+                if key not in children:
+                    if max_nodes is not None and len(toks) >= max_nodes:
+                        break
+                    children[key] = len(toks)
+                    toks.append(int(tok))
+                    pars.append(node)
+                    deps.append(deps[node] + 1)
+                node = children[key]
+        rows_tokens.append(toks)
+        rows_parents.append(pars)
+        rows_depth.append(deps)
+    width = max(map(len, rows_tokens))
+    device = roots.device
+    tokens = roots[:, None].repeat(1, width)
+    parents = torch.full((batch, width), -1, dtype=torch.long, device=device)
+    depth = torch.zeros((batch, width), dtype=torch.long, device=device)
+    mask = torch.eye(width, dtype=torch.bool, device=device).repeat(batch, 1, 1)
+    for b in range(batch):
+        n = len(rows_tokens[b])
+        tokens[b, :n] = torch.tensor(rows_tokens[b], device=device)
+        parents[b, :n] = torch.tensor(rows_parents[b], device=device)
+        depth[b, :n] = torch.tensor(rows_depth[b], device=device)
+        for node in range(1, n):  # parents precede children: copy the parent's row, add self
+            mask[b, node] = mask[b, rows_parents[b][node]]
+            mask[b, node, node] = True
+    num_nodes = torch.tensor([len(t) for t in rows_tokens], device=device)
+    return PackedTree(tokens, parents, depth, num_nodes, mask)
+
+
+def greedy_tree_accept(tree: PackedTree, choices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Walk each row's tree along the target's greedy choices.
+
+    Args:
+        tree: the packed trees that were fed.
+        choices: ``[batch, nodes]`` the target's choice after each node.
+
+    Returns:
+        ``path`` ``[batch, max_depth + 1]``: accepted node indices from the root (``-1`` past the
+        end); ``num_accepted`` ``[batch]``: accepted nodes below the root. The step commits the
+        accepted nodes' tokens plus the bonus token ``choices[row, path[row, num_accepted]]``.
+    """
+    batch = choices.shape[0]
+    device = choices.device
+    if tree.is_chain:  # fast path: leading matches of a single path
+        from .verify import greedy_accept
+
+        num = greedy_accept(tree.tokens[:, 1:], choices[:, :-1], tree.num_nodes - 1)
+        idx = torch.arange(tree.width, device=device)[None]
+        return torch.where(idx <= num[:, None], idx, -1), num
+    real = tree.real
+    cur = torch.zeros(batch, dtype=torch.long, device=device)
+    going = torch.ones(batch, dtype=torch.bool, device=device)
+    num = torch.zeros(batch, dtype=torch.long, device=device)
+    path = [cur]
+    for _ in range(int(tree.depth.max())):
+        want = choices.gather(1, cur[:, None])  # [batch, 1]
+        child = (tree.parents == cur[:, None]) & (tree.tokens == want) & real
+        found = child.any(1) & going
+        cur = torch.where(found, child.long().argmax(1), cur)
+        num += found.long()
+        going &= found
+        path.append(torch.where(found, cur, -1))
+        if not bool(going.any()):
+            break
+    return torch.stack(path, dim=1), num

@@ -1,0 +1,93 @@
+"""Token trees: packing, greedy acceptance, and the general verifier driven by an oracle drafter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from models import prompts, tiny_model
+
+import hf_paralleldecode as hfpd
+from hf_paralleldecode.decoding.base import start
+from hf_paralleldecode.decoding.tree import chain_tree, greedy_tree_accept, pack_trees
+
+
+def test_pack_trees_dedupes_prefixes_orders_topologically_and_builds_ancestor_masks():
+    tree = pack_trees(torch.tensor([7, 9]), [[[1, 2, 3], [1, 2, 4], [5]], [[6]]])
+    assert tree.tokens[0].tolist() == [7, 1, 2, 3, 4, 5]
+    assert tree.parents[0].tolist() == [-1, 0, 1, 2, 2, 0]
+    assert tree.depth[0].tolist() == [0, 1, 2, 3, 3, 1]
+    assert tree.num_nodes.tolist() == [6, 2]
+    m = tree.mask[0].int()
+    assert m[4].tolist() == [1, 1, 1, 0, 1, 0]  # node 4 sees root, 1, 2 and itself, not its sibling 3
+    assert m[5].tolist() == [1, 0, 0, 0, 0, 1]
+    assert tree.mask[1, 3].int().tolist() == [0, 0, 0, 1, 0, 0]  # filler sees only itself
+    assert tree.path_tokens(0, 4) == [1, 2, 4]
+
+
+def test_pack_trees_budget_and_validation():
+    tree = pack_trees(torch.tensor([0]), [[[1, 2, 3], [4, 5]]], max_nodes=4)
+    assert tree.tokens[0].tolist() == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="max_nodes"):
+        pack_trees(torch.tensor([0]), [[[1]]], max_nodes=0)
+    with pytest.raises(ValueError, match="rows"):
+        pack_trees(torch.tensor([0, 1]), [[[1]]])
+
+
+def test_greedy_tree_accept_walks_matching_children():
+    tree = pack_trees(torch.tensor([7, 7]), [[[1, 2, 3], [1, 2, 4], [5]], [[1, 2, 3], [5]]])
+    # choices after each node: root->1, 1->2, 2->4 (so the 2-4 branch), 4->8 (bonus)
+    choices = torch.tensor([[1, 2, 4, 0, 8, 0], [5, 0, 0, 0, 9, 0]])
+    path, num = greedy_tree_accept(tree, choices)
+    assert num.tolist() == [3, 1]
+    assert path[0].tolist() == [0, 1, 2, 4]
+    assert path[1, :2].tolist() == [0, 4] and (path[1, 2:] == -1).all()
+
+
+def test_chain_fast_path_agrees_with_the_general_walk():
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 3, (5, 8), generator=g)
+    widths = torch.tensor([8, 5, 1, 3, 8])
+    choices = torch.randint(0, 3, (5, 8), generator=g)
+    chain = chain_tree(tokens, widths)
+    general = pack_trees(tokens[:, 0], [[tokens[b, 1 : int(widths[b])].tolist()] for b in range(5)])
+    p1, n1 = greedy_tree_accept(chain, choices)
+    p2, n2 = greedy_tree_accept(general, choices[:, : general.width])
+    assert torch.equal(n1, n2)
+    for b in range(5):
+        assert p1[b, : int(n1[b]) + 1].tolist() == p2[b, : int(n2[b]) + 1].tolist()
+
+
+def oracle_tree(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
+                streamer=None, reference=None, **model_kwargs):
+    """Test drafter: per row, a wrong branch, a half-right branch and the right continuation (from ``reference``)."""
+    run = start(model, "oracle_tree", input_ids, logits_processor, stopping_criteria, generation_config, streamer,
+                model_kwargs)
+    prompt_len = input_ids.shape[1]
+    while not run.log.done:
+        run.drop_finished()
+        if run.rows.numel() == 0:
+            break
+        roots, cands = [], []
+        for r in run.rows.tolist():
+            c = int(run.log.count[r])
+            roots.append(int(run.log.tokens[r, c - 1]))
+            right = reference[r, prompt_len + c : prompt_len + c + 4].tolist()
+            wrong = [(t + 1) % 97 for t in right]
+            cands.append([wrong[:2], right[:2] + wrong[2:3], right[:3] if c % 2 else right])
+        budget = run.log.max_new_tokens - run.log.count[run.rows]
+        tree = pack_trees(torch.tensor(roots), [[x[: int(b)] for x in cs] for cs, b in zip(cands, budget)])
+        run.verify_greedy(tree)
+    return run.result(bool(generation_config.return_dict_in_generate), 0.0)
+
+
+@pytest.mark.parametrize("kwargs", [dict(), dict(repetition_penalty=1.3), dict(no_repeat_ngram_size=2)],
+                         ids=["plain", "repetition_penalty", "no_repeat_ngram"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gpt2"])
+def test_tree_verifier_is_lossless_and_accepts_whole_branches(arch, kwargs):
+    model = hfpd.enable(tiny_model(arch))
+    ids, mask = prompts(3)
+    gen = dict(input_ids=ids, attention_mask=mask, max_new_tokens=30, do_sample=False, eos_token_id=None, **kwargs)
+    ref = model.generate(**gen)
+    out = model.generate(**gen, custom_generate=oracle_tree, reference=ref, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, ref)
+    assert out.tokens_per_forward > 2.5  # whole right branches are accepted (3-5 tokens per forward)
