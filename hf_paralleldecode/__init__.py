@@ -18,6 +18,7 @@ _LAZY = {
     "get_decoding": "registry",
     "available_decodings": "registry",
     "jacobi": "decoding.jacobi",
+    "lookahead": "decoding.lookahead",
     "ParallelDecodingOutput": "decoding.base",
     "ParallelDecodingConfig": "config",
     "load_model": "loading",
@@ -38,14 +39,17 @@ __all__ = [
     "jacobi",
     "load_default_model",
     "load_model",
+    "lookahead",
     "register_decoding",
 ]
 
 
 def _register_builtin_strategies(registry) -> None:
     from .decoding.jacobi import jacobi
+    from .decoding.lookahead import lookahead
 
     registry.register_decoding("jacobi", jacobi, overwrite=True)
+    registry.register_decoding("lookahead", lookahead, overwrite=True)
 
 
 def __getattr__(name: str):
@@ -65,6 +69,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .config import ParallelDecodingConfig
     from .decoding.base import ParallelDecodingOutput
     from .decoding.jacobi import jacobi
+    from .decoding.lookahead import lookahead
     from .integration import ParallelDecodingMixin, enable, is_enabled
     from .loading import default_model_path, load_default_model, load_model
     from .registry import available_decodings, get_decoding, register_decoding

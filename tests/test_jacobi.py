@@ -349,7 +349,7 @@ def test_prefix_constrained_processor_sees_each_rows_batch_index():
 
 
 def test_random_context_init_is_seeded_and_drawn_from_context():
-    from hf_paralleldecode.decoding.jacobi import JacobiProposer
+    from hf_paralleldecode.decoding.base import DecodeRun
 
     model = enabled("llama")
     ids, mask = prompts(3)
@@ -360,19 +360,19 @@ def test_random_context_init_is_seeded_and_drawn_from_context():
     assert a.num_forward_passes == b.num_forward_passes
 
     captured = {}
-    orig = JacobiProposer._sample_context
+    orig = DecodeRun.sample_context
 
-    def spy(self, k):
-        out = orig(self, k)
-        captured.setdefault("draws", []).append((self.run.rows.clone(), out.clone()))
+    def spy(self, k, generator):
+        out = orig(self, k, generator)
+        captured.setdefault("draws", []).append((self.rows.clone(), out.clone()))
         return out
 
-    JacobiProposer._sample_context = spy
+    DecodeRun.sample_context = spy
     try:
         model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=30, do_sample=False,
                        decoding="jacobi", block_size=8)
     finally:
-        JacobiProposer._sample_context = orig
+        DecodeRun.sample_context = orig
     rows, first_draw = captured["draws"][0]
     first_generated = reference("llama", 3, 40)[:, ids.shape[1]]
     for i, row in enumerate(rows.tolist()):

@@ -91,3 +91,8 @@ def test_tree_verifier_is_lossless_and_accepts_whole_branches(arch, kwargs):
     out = model.generate(**gen, custom_generate=oracle_tree, reference=ref, return_dict_in_generate=True)
     assert torch.equal(out.sequences, ref)
     assert out.tokens_per_forward > 2.5  # whole right branches are accepted (3-5 tokens per forward)
+
+
+def test_pack_trees_reports_the_node_of_every_candidate_token():
+    tree = pack_trees(torch.tensor([7]), [[[1, 2, 3], [1, 2, 4], [5, 6]]], max_nodes=6)
+    assert tree.candidate_nodes == [[[1, 2, 3], [1, 2, 4], [5]]]  # [5, 6] truncated by the budget

@@ -191,6 +191,21 @@ class DecodeRun:
         """``[active]`` position id of each active row's next token (continues the prompt's ids)."""
         return self.slots.num_valid + self.position_offset[self.rows]
 
+    def sample_context(self, k: int, generator: torch.Generator) -> torch.Tensor:
+        """``[active, k]`` tokens drawn uniformly from each active row's context.
+
+        The context is the row's prompt without padding plus its committed tokens; ``generator``
+        (CPU) makes the draw reproducible.
+        """
+        rows = self.rows
+        gen_mask = torch.arange(self.log.max_new_tokens, device=rows.device)[None] < self.log.count[rows][:, None]
+        context = torch.cat([self.prompt[rows], self.log.tokens[rows]], dim=1)
+        valid = torch.cat([self.prompt_mask[rows], gen_mask], dim=1)
+        order = (~valid).long().argsort(dim=1, stable=True)  # valid positions first, in order
+        u = torch.rand(rows.shape[0], k, generator=generator).to(rows.device)
+        pick = (u * valid.sum(1)[:, None]).long().clamp(max=context.shape[1] - 1)
+        return context.gather(1, order.gather(1, pick))
+
     # ---- row management -------------------------------------------------------------------------
     def drop_finished(self) -> torch.Tensor | None:
         """Remove rows that need no more work; return the kept positions (into the active rows) or None."""

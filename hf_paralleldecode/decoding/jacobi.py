@@ -90,21 +90,8 @@ class JacobiProposer:
         if self.init == "repeat":
             fill = self.draft[:, :1].expand(-1, self.n - 1)
         else:
-            fill = self._sample_context(self.n - 1)
+            fill = self.run.sample_context(self.n - 1, self.generator)
         self.draft[:, 1:] = torch.where(rows_mask[:, None], fill, self.draft[:, 1:])
-
-    def _sample_context(self, k: int) -> torch.Tensor:
-        run = self.run
-        rows = run.rows
-        prompt_mask = run.prompt_mask[rows]  # [active, prompt_len]
-        gen_mask = torch.arange(run.log.max_new_tokens, device=rows.device)[None] < run.log.count[rows][:, None]
-        context = torch.cat([run.prompt[rows], run.log.tokens[rows]], dim=1)
-        valid = torch.cat([prompt_mask, gen_mask], dim=1)
-        n_valid = valid.sum(1)  # >= 1: the prompt is non-empty
-        order = (~valid).long().argsort(dim=1, stable=True)  # valid positions first, in order
-        u = torch.rand(rows.shape[0], k, generator=self.generator).to(rows.device)
-        pick = (u * n_valid[:, None]).long().clamp(max=context.shape[1] - 1)
-        return context.gather(1, order.gather(1, pick))
 
 
 def jacobi(

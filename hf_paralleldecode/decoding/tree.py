@@ -36,6 +36,7 @@ class PackedTree:
     num_nodes: torch.Tensor  # [batch] real nodes; the rest are filler
     mask: torch.Tensor  # [batch, nodes, nodes] bool: node i attends to node j (ancestor or self)
     is_chain: bool = False  # every row is a single path laid out in order (a Jacobi block)
+    candidate_nodes: list[list[list[int]]] | None = None  # per row, per candidate: node of each token
 
     @property
     def width(self) -> int:
@@ -75,19 +76,22 @@ def pack_trees(
     """Merge each row's candidates into a trie under its root and pack all rows for one forward.
 
     Candidates are inserted in the order given until the node budget is spent (a candidate that
-    does not fit is truncated), so put the most promising first.
+    does not fit is truncated), so put the most promising first. ``candidate_nodes[row][k]`` lists
+    the node holding each (inserted) token of candidate ``k``, e.g. to read a lookahead column's
+    logits.
     """
     if max_nodes is not None and max_nodes < 1:
         raise ValueError(f"max_nodes must be >= 1, got {max_nodes}.")
     batch = roots.shape[0]
     if len(candidates) != batch:
         raise ValueError(f"Got candidates for {len(candidates)} rows, expected {batch}.")
-    rows_tokens, rows_parents, rows_depth = [], [], []
+    rows_tokens, rows_parents, rows_depth, rows_nodes = [], [], [], []
     for b in range(batch):
         toks, pars, deps = [int(roots[b])], [-1], [0]
         children: dict[tuple[int, int], int] = {}
+        cand_nodes = []
         for cand in candidates[b]:
-            node = 0
+            node, nodes = 0, []
             for tok in cand:
                 key = (node, int(tok))
                 if key not in children:
@@ -98,6 +102,9 @@ def pack_trees(
                     pars.append(node)
                     deps.append(deps[node] + 1)
                 node = children[key]
+                nodes.append(node)
+            cand_nodes.append(nodes)
+        rows_nodes.append(cand_nodes)
         rows_tokens.append(toks)
         rows_parents.append(pars)
         rows_depth.append(deps)
@@ -116,7 +123,7 @@ def pack_trees(
             mask[b, node] = mask[b, rows_parents[b][node]]
             mask[b, node, node] = True
     num_nodes = torch.tensor([len(t) for t in rows_tokens], device=device)
-    return PackedTree(tokens, parents, depth, num_nodes, mask)
+    return PackedTree(tokens, parents, depth, num_nodes, mask, candidate_nodes=rows_nodes)
 
 
 def greedy_tree_accept(tree: PackedTree, choices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

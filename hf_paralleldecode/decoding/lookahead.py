@@ -1,0 +1,158 @@
+"""Lookahead decoding: a 2D Jacobi window produces n-grams; a pool of them is verified in the same forward.
+
+Algorithm (per row; see ``../shared/seeds/lookahead_decoding_explainer.txt``)
+    State: a window of up to ``N - 1`` levels x ``W`` columns and an n-gram pool (``ngram_pool``).
+    Level ``l``, column ``c`` guesses the token at position ``p0 + c + l`` (``p0`` = position after
+    the last committed token, the *root*). Column ``c`` is therefore the chain
+    ``level0[0..c], level1[c], ..., level_top[c]``: the whole lookahead branch is a token tree
+    under the root, exactly LADE's mask (level 0 causal, later levels see level 0 up to their
+    column and their own column in earlier levels). The verification branch adds up to ``G``
+    stored continuations keyed by the root token. Both branches are merged into ONE
+    :class:`~hf_paralleldecode.decoding.tree.PackedTree` and go through the general greedy
+    verifier in one forward; any matching path is exact, so level 0 (a Jacobi guess) can be
+    accepted too.
+
+    After the forward, the target's choice at the top node of each column is the column's next
+    token: with a full window (``N - 1`` levels) the column's n-gram ``(level0[c], ...,
+    level_top[c], new[c])`` enters the pool, levels move up by one and the new tokens become the
+    top level; while filling (warm-up, ``N - 2`` steps) the new tokens are added as a new level.
+    Every level is then shifted by the tokens just committed so that columns stay aligned with
+    their positions, and the freed columns are refilled with tokens drawn from the row's context.
+
+Settings: ``window_size`` (W), ``ngram_size`` (N), ``guess_set_size`` (G, candidates verified per
+step and continuations kept per key), ``pool_from_prompt`` (seed the pool with the prompt's
+n-grams), ``lookahead_seed`` (reproducible refills).
+
+Lossless: acceptance is the general greedy tree verifier with per-node logits processors.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .base import check_int_setting, start
+from .ngram_pool import NgramPool
+from .tree import pack_trees
+
+__all__ = ["lookahead"]
+
+
+def _check_settings(window_size, ngram_size, guess_set_size, pool_from_prompt, lookahead_seed):
+    check_int_setting("window_size", window_size, 1)
+    check_int_setting("ngram_size", ngram_size, 2)
+    check_int_setting("guess_set_size", guess_set_size, 0)
+    check_int_setting("lookahead_seed", lookahead_seed, 0)
+    if not isinstance(pool_from_prompt, bool):
+        raise ValueError(f"`pool_from_prompt` must be True or False, got {pool_from_prompt!r}.")
+
+
+class LookaheadProposer:
+    """Windows (per original row) and the shared n-gram pools; builds each step's candidates."""
+
+    def __init__(self, run, window: int, ngram: int, guesses: int, pool_from_prompt: bool, seed: int):
+        self.run, self.W, self.N, self.G = run, window, ngram, guesses
+        self.generator = torch.Generator(device="cpu").manual_seed(seed)
+        batch = run.prompt.shape[0]
+        self.pool = NgramPool(batch, max_per_key=guesses)
+        if pool_from_prompt and guesses > 0:
+            for r in range(batch):
+                tokens = run.prompt[r][run.prompt_mask[r]].tolist() + run.log.tokens[r, :1].tolist()
+                self.pool.add_sequence(r, tokens, ngram)
+        fill = run.sample_context(window, self.generator).tolist()
+        self.levels: dict[int, list[list[int]]] = {r: [fill[i]] for i, r in enumerate(run.rows.tolist())}
+
+    def candidates(self) -> tuple[torch.Tensor, list[list[list[int]]], list[int]]:
+        """Roots ``[active]``, per-row candidate lists, and the number of window candidates per row."""
+        log = self.run.log
+        roots, cands, num_window = [], [], []
+        for r in self.run.rows.tolist():
+            count = int(log.count[r])
+            root = int(log.tokens[r, count - 1])
+            max_depth = int(log.max_new_tokens) - count  # a depth-d path commits d + 1 tokens
+            levels = self.levels[r]
+            window = [levels[0][: c + 1] + [lv[c] for lv in levels[1:]] for c in range(self.W)]
+            guesses = [list(g) for g in self.pool.get(r, root, self.G)]
+            row = [c[:max_depth] for c in window + guesses]
+            roots.append(root)
+            cands.append(row)
+            num_window.append(len(window))
+        return torch.tensor(roots, device=self.run.rows.device), cands, num_window
+
+    def update(self, tree, choices: torch.Tensor, accepted: torch.Tensor, num_window: list[int]) -> None:
+        """Collect n-grams, slide the windows by the committed tokens, refill freed columns."""
+        choices_l, accepted_l = choices.tolist(), accepted.tolist()
+        rows = self.run.rows.tolist()
+        refill_needed = []
+        for i, r in enumerate(rows):
+            levels = self.levels[r]
+            depth_needed = len(levels)  # tokens per column
+            nodes = tree.candidate_nodes[i][: num_window[i]]
+            if any(len(col) < self.W - 1 + depth_needed for col in nodes[-1:]) or len(nodes) < self.W:
+                # the budget cut the window (end of generation): keep it, nothing to learn
+                refill_needed.append((i, r, 0, levels))
+                continue
+            new = [choices_l[i][col[-1]] for col in nodes]
+            full = len(levels) == self.N - 1
+            if full:
+                for c in range(self.W):
+                    self.pool.add(r, levels[0][c], [lv[c] for lv in levels[1:]] + [new[c]])
+                levels = levels[1:] + [new]
+                drop = accepted_l[i]  # committed - 1
+            else:
+                levels = levels + [new]
+                drop = accepted_l[i] + 1  # committed
+            refill_needed.append((i, r, drop, [lv[drop:] for lv in levels]))
+        fills = self.run.sample_context(self.W, self.generator).tolist()
+        for i, r, _, levels in refill_needed:
+            self.levels[r] = [lv + fills[i][: self.W - len(lv)] for lv in levels]
+
+
+def lookahead(
+    model,
+    input_ids: torch.LongTensor,
+    logits_processor,
+    stopping_criteria,
+    generation_config,
+    synced_gpus: bool = False,
+    streamer=None,
+    window_size: int = 5,
+    ngram_size: int = 4,
+    guess_set_size: int = 5,
+    pool_from_prompt: bool = True,
+    lookahead_seed: int = 0,
+    pd_streamer=None,
+    **model_kwargs,
+):
+    """Lossless greedy lookahead decoding; a ``custom_generate`` callable.
+
+    Args:
+        window_size: W, columns of the lookahead window (n-grams produced per step).
+        ngram_size: N, length of the n-grams (the window has N - 1 levels); >= 2.
+        guess_set_size: G, n-grams verified per step and kept per first token (0 = no verification
+            branch: the window's level 0 is still verified, as a Jacobi guess).
+        pool_from_prompt: seed the pool with the prompt's n-grams (good for code and edits).
+        lookahead_seed: seed of the generator that refills window columns from the context.
+        pd_streamer: see :func:`hf_paralleldecode.jacobi`.
+    """
+    wall_start = time.perf_counter()
+    _check_settings(window_size, ngram_size, guess_set_size, pool_from_prompt, lookahead_seed)
+    run = start(
+        model, "lookahead", input_ids, logits_processor, stopping_criteria, generation_config,
+        pd_streamer if pd_streamer is not None else streamer, model_kwargs,
+    )
+    if run.log.done:
+        return run.result(bool(generation_config.return_dict_in_generate), wall_start)
+    proposer = LookaheadProposer(run, window_size, ngram_size, guess_set_size, pool_from_prompt, lookahead_seed)
+    while not run.log.done:
+        run.drop_finished()
+        if run.rows.numel() == 0:
+            break
+        roots, cands, num_window = proposer.candidates()
+        tree = pack_trees(roots, cands)
+        choices, accepted = run.verify_greedy(tree)
+        proposer.update(tree, choices, accepted, num_window)
+    run.stats.update(window_size=window_size, ngram_size=ngram_size, guess_set_size=guess_set_size,
+                     pool_entries=sum(proposer.pool.size(r) for r in range(input_ids.shape[0])))
+    return run.result(bool(generation_config.return_dict_in_generate), wall_start)

@@ -1,0 +1,49 @@
+"""N-gram pools: continuations keyed by their first token, least-recently-used first out.
+
+Fed by lookahead windows (and, later, by Jacobi Forcing's rejection recycling); read by the
+verification branch, which looks up the row's last committed token. One pool per original batch
+row; a pool lives for the whole ``generate`` call (it survives block boundaries).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+__all__ = ["NgramPool"]
+
+
+class NgramPool:
+    """Per-row maps ``first token -> up to max_per_key continuations`` (each a tuple of tokens)."""
+
+    def __init__(self, batch_size: int, max_per_key: int):
+        self.max_per_key = max_per_key
+        self._pools: list[dict[int, OrderedDict]] = [{} for _ in range(batch_size)]
+
+    def add(self, row: int, key: int, continuation: Sequence[int]) -> None:
+        """Insert (or refresh) ``continuation`` under ``key``; evict the least recently used beyond the cap."""
+        if self.max_per_key <= 0 or not continuation:
+            return
+        entries = self._pools[row].setdefault(int(key), OrderedDict())
+        cont = tuple(int(t) for t in continuation)
+        entries.pop(cont, None)
+        entries[cont] = None
+        while len(entries) > self.max_per_key:
+            entries.popitem(last=False)
+
+    def add_sequence(self, row: int, tokens: Sequence[int], n: int) -> None:
+        """Insert every n-gram of ``tokens`` (key = its first token, continuation = the other n - 1)."""
+        tokens = [int(t) for t in tokens]
+        for i in range(len(tokens) - n + 1):
+            self.add(row, tokens[i], tokens[i + 1 : i + n])
+
+    def get(self, row: int, key: int, limit: int | None = None) -> list[tuple[int, ...]]:
+        """Continuations stored under ``key``, most recently used first."""
+        entries = self._pools[row].get(int(key))
+        if not entries:
+            return []
+        out = list(reversed(entries))
+        return out if limit is None else out[:limit]
+
+    def size(self, row: int) -> int:
+        return sum(len(v) for v in self._pools[row].values())

@@ -1,0 +1,114 @@
+"""Lookahead decoding: exact equivalence with stock greedy generate, edges and bad settings."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from models import ARCHITECTURES, prompts, tiny_model
+
+import hf_paralleldecode as hfpd
+from hf_paralleldecode.decoding.ngram_pool import NgramPool
+
+SETTINGS = {
+    "default": dict(),
+    "W1": dict(window_size=1),
+    "N2": dict(ngram_size=2),
+    "G0": dict(guess_set_size=0),
+    "wide": dict(window_size=8, ngram_size=5, guess_set_size=8, pool_from_prompt=False),
+}
+
+
+@functools.cache
+def enabled(arch: str):
+    return hfpd.enable(tiny_model(arch))
+
+
+@functools.cache
+def reference(arch: str, batch: int, max_new_tokens: int):
+    ids, mask = prompts(batch)
+    return enabled(arch).generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False)
+
+
+@pytest.mark.parametrize("max_new_tokens", [1, 5, 40])
+@pytest.mark.parametrize("setting", list(SETTINGS))
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_lookahead_matches_greedy(arch, batch, setting, max_new_tokens):
+    ids, mask = prompts(batch)
+    out = enabled(arch).generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                                 do_sample=False, decoding="lookahead", **SETTINGS[setting])
+    assert torch.equal(out, reference(arch, batch, max_new_tokens))
+
+
+def test_repetitive_text_is_found_in_the_pool():
+    """A model stuck in a cycle is where n-grams pay off: TPF well above 1, output still exact."""
+    model = enabled("llama")
+    ids, mask = prompts(3)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=60, do_sample=False, eos_token_id=None)
+    ref = model.generate(**kwargs)
+    out = model.generate(**kwargs, decoding="lookahead", return_dict_in_generate=True)
+    assert torch.equal(out.sequences, ref)
+    assert out.stats["pool_entries"] > 0
+    assert out.tokens_per_forward > 1.5
+
+
+def test_eos_and_processors_inside_accepted_ngrams():
+    model = enabled("qwen2")
+    ids, mask = prompts(3)
+    ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=30, do_sample=False, eos_token_id=None)
+    eos = int(ref[0, ids.shape[1] + 9])
+    for extra in (dict(eos_token_id=eos), dict(eos_token_id=eos, repetition_penalty=1.2), dict(no_repeat_ngram_size=3)):
+        kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=30, do_sample=False, **extra)
+        assert torch.equal(model.generate(**kwargs, decoding="lookahead"), model.generate(**kwargs))
+
+
+def test_streamer_and_stats():
+    class Rec:
+        def __init__(self):
+            self.values, self.ended = [], 0
+
+        def put(self, v):
+            self.values.append(v.clone())
+
+        def end(self):
+            self.ended += 1
+
+    model = enabled("llama")
+    ids, _ = prompts(1)
+    rec = Rec()
+    out = model.generate(input_ids=ids, max_new_tokens=20, do_sample=False, eos_token_id=None, decoding="lookahead",
+                         streamer=rec, return_dict_in_generate=True)
+    assert rec.ended == 1 and torch.equal(torch.cat([v.reshape(-1) for v in rec.values[1:]]), out.sequences[0, 7:])
+    assert out.decoding == "lookahead" and out.stats["window_size"] == 5
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(window_size=0), "window_size"),
+        (dict(ngram_size=1), "ngram_size"),
+        (dict(guess_set_size=-1), "guess_set_size"),
+        (dict(window_size=2.0), "window_size"),
+        (dict(pool_from_prompt="yes"), "pool_from_prompt"),
+        (dict(do_sample=True), "do_sample=False"),
+    ],
+)
+def test_bad_settings(kwargs, match):
+    model = enabled("llama")
+    ids, _ = prompts(1)
+    with pytest.raises(ValueError, match=match):
+        model.generate(input_ids=ids, max_new_tokens=5, decoding="lookahead", **kwargs)
+
+
+def test_ngram_pool_is_lru_per_key():
+    pool = NgramPool(1, max_per_key=2)
+    pool.add(0, 5, [1, 2])
+    pool.add(0, 5, [3, 4])
+    pool.add(0, 5, [1, 2])  # refresh
+    pool.add(0, 5, [6, 7])  # evicts (3, 4)
+    assert pool.get(0, 5) == [(6, 7), (1, 2)]
+    pool.add_sequence(0, [9, 8, 9, 8], 3)
+    assert pool.get(0, 9) == [(8, 9)] and pool.get(0, 8) == [(9, 8)]
+    assert pool.size(0) == 4 and pool.get(0, 42) == []
