@@ -18,6 +18,7 @@ _LAZY = {
     "get_decoding": "registry",
     "available_decodings": "registry",
     "jacobi": "decoding.jacobi",
+    "jacobi_forcing": "decoding.jacobi_forcing",
     "lookahead": "decoding.lookahead",
     "ParallelDecodingOutput": "decoding.base",
     "ParallelDecodingConfig": "config",
@@ -37,6 +38,7 @@ __all__ = [
     "get_decoding",
     "is_enabled",
     "jacobi",
+    "jacobi_forcing",
     "load_default_model",
     "load_model",
     "lookahead",
@@ -46,9 +48,11 @@ __all__ = [
 
 def _register_builtin_strategies(registry) -> None:
     from .decoding.jacobi import jacobi
+    from .decoding.jacobi_forcing import jacobi_forcing
     from .decoding.lookahead import lookahead
 
     registry.register_decoding("jacobi", jacobi, overwrite=True)
+    registry.register_decoding("jacobi_forcing", jacobi_forcing, overwrite=True)
     registry.register_decoding("lookahead", lookahead, overwrite=True)
 
 
@@ -69,6 +73,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .config import ParallelDecodingConfig
     from .decoding.base import ParallelDecodingOutput
     from .decoding.jacobi import jacobi
+    from .decoding.jacobi_forcing import jacobi_forcing
     from .decoding.lookahead import lookahead
     from .integration import ParallelDecodingMixin, enable, is_enabled
     from .loading import default_model_path, load_default_model, load_model

@@ -1,0 +1,199 @@
+"""Jacobi Forcing decoding: multiblock Jacobi iteration plus rejection recycling, in one forward per step.
+
+Algorithm (per row; see ``../shared/seeds/jacobi_forcing_blog.txt``)
+    The row keeps one *chain* of guesses for consecutive positions after its last committed token
+    (the root), split into up to ``K = num_blocks`` blocks of ``n = block_size`` positions. The
+    first block is *real-active*: its tokens are verified and committed. The later blocks are
+    *pseudo-active*: they follow the real-active block's unconverged guesses in the same chain,
+    so they are Jacobi-updated under that noisy prefix, and they are committed only once every
+    earlier position is. A new pseudo-active block is appended when the newest block has
+    converged past ``activation_ratio`` (r) of its positions (converged = its leading positions
+    reproduced by the Jacobi update). When the real-active block is complete the next block is
+    promoted and verified under the committed prefix like any other position: nothing of the
+    pseudo-active work is thrown away at block boundaries.
+
+    Rejection recycling: after every iteration the updated (unconverged) chain feeds an n-gram
+    pool (``ngram_pool``) keyed by first token; each step up to ``pool_size`` stored continuations
+    of the root token are verified together with the chain. Chain and candidates are merged into
+    one token tree and go through the general greedy verifier in ONE forward; the longest
+    accepted path wins. The pool lives for the whole call.
+
+    With ``num_blocks=1`` and ``pool_size=0`` this is plain Jacobi decoding.
+
+Defaults (``None``): the seed's GPU configuration ``n=64, K=2, r=0.85, pool_size=4`` on CUDA, and
+on CPU the configuration in :data:`CPU_DEFAULTS` (see ``docs/methods/jacobi_forcing.md`` for how it
+was measured). ``ngram_size`` defaults to ``block_size`` (recycled candidates as long as a block).
+
+Lossless: every committed token is the target's greedy choice given the committed prefix.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .base import check_int_setting, start
+from .ngram_pool import NgramPool
+from .tree import pack_trees
+
+__all__ = ["jacobi_forcing", "GPU_DEFAULTS", "CPU_DEFAULTS"]
+
+GPU_DEFAULTS = dict(block_size=64, num_blocks=2, activation_ratio=0.85, pool_size=4)
+CPU_DEFAULTS = dict(block_size=16, num_blocks=2, activation_ratio=0.85, pool_size=4)
+
+
+def _resolve_settings(model, block_size, num_blocks, activation_ratio, pool_size, ngram_size, jacobi_seed):
+    preset = GPU_DEFAULTS if model.device.type == "cuda" else CPU_DEFAULTS
+    block_size = preset["block_size"] if block_size is None else block_size
+    num_blocks = preset["num_blocks"] if num_blocks is None else num_blocks
+    activation_ratio = preset["activation_ratio"] if activation_ratio is None else activation_ratio
+    pool_size = preset["pool_size"] if pool_size is None else pool_size
+    check_int_setting("block_size", block_size, 1)
+    check_int_setting("num_blocks", num_blocks, 1)
+    check_int_setting("pool_size", pool_size, 0)
+    check_int_setting("jacobi_seed", jacobi_seed, 0)
+    if isinstance(activation_ratio, bool) or not isinstance(activation_ratio, (int, float)):
+        raise ValueError(f"`activation_ratio` must be a number in (0, 1], got {activation_ratio!r}.")
+    if not 0 < activation_ratio <= 1:
+        raise ValueError(f"`activation_ratio` must be in (0, 1], got {activation_ratio}.")
+    ngram_size = block_size if ngram_size is None else ngram_size
+    check_int_setting("ngram_size", ngram_size, 2)
+    return block_size, num_blocks, float(activation_ratio), pool_size, ngram_size
+
+
+class MultiblockProposer:
+    """Per original row: the chain of guesses (``chain[0]`` = root) and the end of each block.
+
+    Positions are indices into the row's generated tokens; the root sits at ``count - 1``. Block
+    ``k`` covers ``[ends[k-1], ends[k])``; the first listed block is the real-active one.
+    """
+
+    def __init__(self, run, n, num_blocks, ratio, pool_size, ngram_size, seed):
+        self.run, self.n, self.K, self.r = run, n, num_blocks, ratio
+        self.pool_size, self.ngram = pool_size, ngram_size
+        self.generator = torch.Generator(device="cpu").manual_seed(seed)
+        batch = run.prompt.shape[0]
+        self.pool = NgramPool(batch, max_per_key=max(pool_size, 1))
+        self.chain: dict[int, list[int]] = {}
+        self.ends: dict[int, list[int]] = {}
+        self.root_pos: dict[int, int] = {}
+        self.stats = dict(blocks_activated=0, recycled_wins=0)
+        fills = run.sample_context(n, self.generator).tolist()
+        for i, r in enumerate(run.rows.tolist()):
+            self.chain[r] = [int(run.log.tokens[r, 0])]
+            self.root_pos[r] = 0
+            self.ends[r] = [n]  # the first block starts at the first generated token (the root)
+            self._fit(r, 0, fills[i])
+
+    def _limit(self, r: int) -> int:
+        return int(self.run.log.max_new_tokens)
+
+    def _fit(self, r: int, root_pos: int, fill: list[int]) -> None:
+        """Make the chain cover ``root_pos .. last block end - 1`` (capped by the token budget)."""
+        want = min(self.ends[r][-1], self._limit(r)) - root_pos
+        chain = self.chain[r][:want]
+        if len(chain) < want:
+            chain = chain + [fill[(k + len(chain)) % len(fill)] for k in range(want - len(chain))]
+        self.chain[r] = chain
+
+    def candidates(self):
+        roots, cands = [], []
+        for r in self.run.rows.tolist():
+            chain = self.chain[r]
+            guesses = [list(g) for g in self.pool.get(r, chain[0], self.pool_size)] if self.pool_size else []
+            budget = self._limit(r) - int(self.run.log.count[r])  # a depth-d path commits d + 1 tokens
+            roots.append(chain[0])
+            cands.append([c[:budget] for c in [chain[1:]] + guesses])
+        return torch.tensor(roots, device=self.run.rows.device), cands
+
+    def update(self, tree, choices: torch.Tensor) -> None:
+        choices_l = choices.tolist()
+        fills = self.run.sample_context(self.n, self.generator).tolist()
+        for i, r in enumerate(self.run.rows.tolist()):
+            old = self.chain[r]
+            nodes = [0] + tree.candidate_nodes[i][0]  # main-chain node of each chain position
+            update = [choices_l[i][m] for m in nodes]  # update[j] = Jacobi guess for chain position j + 1
+            old_root_pos, root_pos = self.root_pos[r], int(self.run.log.count[r]) - 1
+            a = root_pos - old_root_pos  # tokens committed this step (the new root is the bonus token)
+            # convergence of the newest block under its (noisy) prefix, before moving on:
+            # its committed positions plus its leading positions the Jacobi update reproduced
+            ends = self.ends[r]
+            block_start, block_end = (ends[-2] if len(ends) > 1 else ends[-1] - self.n), ends[-1]
+            newest_done = max(0, min(old_root_pos + 1, block_end) - block_start)
+            for pos in range(max(block_start, old_root_pos + 1), min(block_end, old_root_pos + len(nodes))):
+                j = pos - old_root_pos
+                if old[j] != update[j - 1]:
+                    break
+                newest_done += 1
+            main = 0  # guesses of the main chain accepted: fewer than a - 1 means a recycled n-gram won
+            while main + 1 < len(nodes) and old[main + 1] == update[main]:
+                main += 1
+            self.stats["recycled_wins"] += int(a - 1 > main)
+            # Jacobi update of the rest of the chain; recycle its n-grams
+            bonus = int(self.run.log.tokens[r, root_pos])
+            new_chain = [bonus] + update[a : len(nodes) - 1]
+            if self.pool_size:
+                for j in range(1, len(new_chain) - 1):  # tail n-grams are shorter, never empty
+                    self.pool.add(r, new_chain[j], new_chain[j + 1 : j + self.ngram])
+            self.chain[r] = new_chain
+            self.root_pos[r] = root_pos
+            ends = [e for e in ends if e > root_pos]
+            if not ends:
+                ends = [root_pos + self.n]
+            elif len(ends) < self.K and newest_done >= self.r * self.n:
+                ends.append(ends[-1] + self.n)
+                self.stats["blocks_activated"] += 1
+            self.ends[r] = ends
+            self._fit(r, root_pos, fills[i])
+
+
+def jacobi_forcing(
+    model,
+    input_ids: torch.LongTensor,
+    logits_processor,
+    stopping_criteria,
+    generation_config,
+    synced_gpus: bool = False,
+    streamer=None,
+    block_size: int | None = None,
+    num_blocks: int | None = None,
+    activation_ratio: float | None = None,
+    pool_size: int | None = None,
+    ngram_size: int | None = None,
+    jacobi_seed: int = 0,
+    pd_streamer=None,
+    **model_kwargs,
+):
+    """Lossless greedy Jacobi Forcing decoding (multiblock + rejection recycling); a ``custom_generate`` callable.
+
+    Args:
+        block_size: n, positions per block (default: 64 on CUDA, ``CPU_DEFAULTS`` on CPU).
+        num_blocks: K, blocks in flight (1 real-active + up to K - 1 pseudo-active).
+        activation_ratio: r in (0, 1]: converged share of the newest block before another is added.
+        pool_size: recycled n-gram candidates verified per step (0 disables rejection recycling).
+        ngram_size: length of recycled n-grams (default: block_size).
+        jacobi_seed: seed for the guesses of new blocks (drawn from the row's context).
+        pd_streamer: see :func:`hf_paralleldecode.jacobi`.
+    """
+    wall_start = time.perf_counter()
+    n, K, r, pool, ngram = _resolve_settings(model, block_size, num_blocks, activation_ratio, pool_size,
+                                              ngram_size, jacobi_seed)
+    run = start(
+        model, "jacobi_forcing", input_ids, logits_processor, stopping_criteria, generation_config,
+        pd_streamer if pd_streamer is not None else streamer, model_kwargs,
+    )
+    if run.log.done:
+        return run.result(bool(generation_config.return_dict_in_generate), wall_start)
+    proposer = MultiblockProposer(run, n, K, r, pool, ngram, jacobi_seed)
+    while not run.log.done:
+        run.drop_finished()
+        if run.rows.numel() == 0:
+            break
+        roots, cands = proposer.candidates()
+        tree = pack_trees(roots, cands)
+        choices, _ = run.verify_greedy(tree)
+        proposer.update(tree, choices)
+    run.stats.update(block_size=n, num_blocks=K, activation_ratio=r, pool_size=pool, ngram_size=ngram,
+                     **proposer.stats)
+    return run.result(bool(generation_config.return_dict_in_generate), wall_start)

@@ -1,0 +1,111 @@
+"""Jacobi Forcing decoding: exact equivalence with stock greedy generate, multiblock and recycling edges."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from models import ARCHITECTURES, prompts, tiny_model
+
+import hf_paralleldecode as hfpd
+
+SETTINGS = {
+    "default": dict(),
+    "K1": dict(num_blocks=1),
+    "pool0": dict(pool_size=0),
+    "K3_r05": dict(num_blocks=3, activation_ratio=0.5, block_size=8),
+    "r1": dict(activation_ratio=1.0, block_size=4),
+    "n1": dict(block_size=1, pool_size=2, ngram_size=2),
+}
+
+
+@functools.cache
+def enabled(arch: str):
+    return hfpd.enable(tiny_model(arch))
+
+
+@functools.cache
+def reference(arch: str, batch: int, max_new_tokens: int):
+    ids, mask = prompts(batch)
+    return enabled(arch).generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False)
+
+
+@pytest.mark.parametrize("max_new_tokens", [1, 5, 40])
+@pytest.mark.parametrize("setting", list(SETTINGS))
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_jacobi_forcing_matches_greedy(arch, batch, setting, max_new_tokens):
+    ids, mask = prompts(batch)
+    out = enabled(arch).generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                                 do_sample=False, decoding="jacobi_forcing", **SETTINGS[setting])
+    assert torch.equal(out, reference(arch, batch, max_new_tokens))
+
+
+def test_k1_pool0_is_plain_jacobi():
+    model = enabled("llama")
+    ids, mask = prompts(3)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=40, do_sample=False, eos_token_id=None,
+                  return_dict_in_generate=True)
+    jf = model.generate(**kwargs, decoding="jacobi_forcing", num_blocks=1, pool_size=0, block_size=8)
+    jac = model.generate(**kwargs, decoding="jacobi", block_size=8)
+    assert torch.equal(jf.sequences, jac.sequences)
+    assert jf.num_forward_passes == jac.num_forward_passes  # same trajectory: same seed, same init
+    assert jf.stats["recycled_wins"] == 0 and jf.stats["blocks_activated"] == 0
+
+
+def test_pseudo_blocks_are_activated_and_recycled_ngrams_win_across_blocks():
+    model = enabled("gpt2")
+    ids, mask = prompts(3)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=80, do_sample=False, eos_token_id=None)
+    ref = model.generate(**kwargs)
+    out = model.generate(**kwargs, decoding="jacobi_forcing", block_size=8, num_blocks=3, activation_ratio=0.25,
+                         pool_size=4, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, ref)
+    assert out.stats["blocks_activated"] > 0
+    assert out.stats["recycled_wins"] > 0  # the pool outlives block boundaries (80 tokens = 10 blocks)
+    plain = model.generate(**kwargs, decoding="jacobi", block_size=8, return_dict_in_generate=True)
+    assert out.tokens_per_forward > plain.tokens_per_forward
+
+
+def test_eos_inside_accepted_ngrams_and_processors():
+    model = enabled("qwen2")
+    ids, mask = prompts(3)
+    ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=40, do_sample=False, eos_token_id=None)
+    eos = int(ref[0, ids.shape[1] + 12])
+    for extra in (dict(eos_token_id=eos), dict(eos_token_id=eos, repetition_penalty=1.2), dict(no_repeat_ngram_size=3)):
+        kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=40, do_sample=False, **extra)
+        out = model.generate(**kwargs, decoding="jacobi_forcing", block_size=8, activation_ratio=0.3)
+        assert torch.equal(out, model.generate(**kwargs))
+
+
+def test_device_presets_and_stats():
+    from hf_paralleldecode.decoding.jacobi_forcing import CPU_DEFAULTS
+
+    model = enabled("llama")
+    ids, _ = prompts(1)
+    out = model.generate(input_ids=ids, max_new_tokens=10, do_sample=False, decoding="jacobi_forcing",
+                         return_dict_in_generate=True)
+    for key, value in CPU_DEFAULTS.items():
+        assert out.stats[key] == value
+    assert out.stats["ngram_size"] == CPU_DEFAULTS["block_size"]
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(num_blocks=0), "num_blocks"),
+        (dict(activation_ratio=0.0), "activation_ratio"),
+        (dict(activation_ratio=1.5), "activation_ratio"),
+        (dict(activation_ratio="0.8"), "activation_ratio"),
+        (dict(pool_size=-1), "pool_size"),
+        (dict(ngram_size=1), "ngram_size"),
+        (dict(block_size=0), "block_size"),
+        (dict(do_sample=True), "do_sample=False"),
+    ],
+)
+def test_bad_settings(kwargs, match):
+    model = enabled("llama")
+    ids, _ = prompts(1)
+    with pytest.raises(ValueError, match=match):
+        model.generate(input_ids=ids, max_new_tokens=5, decoding="jacobi_forcing", **kwargs)
