@@ -62,11 +62,20 @@ def _parse_value(text: str):
     return {"true": True, "false": False}.get(text.lower(), text)
 
 
+#: In-ecosystem peers run through stock ``generate`` with these default settings.
+STOCK_PEERS = {"prompt_lookup": {"prompt_lookup_num_tokens": 10}}
+
+
 def parse_strategy(text: str) -> StrategySpec:
-    from .registry import get_decoding
+    """``name:key=value,...``: a registered decoding, or a stock peer (``prompt_lookup``)."""
+    from .registry import available_decodings
 
     name, _, rest = text.partition(":")
-    get_decoding(name)  # ValueError listing the available ones
+    if name not in STOCK_PEERS and name not in available_decodings():
+        raise ValueError(
+            f"Unknown strategy {name!r}. Available decodings: {', '.join(available_decodings())}; "
+            f"stock peers: {', '.join(STOCK_PEERS)}."
+        )
     settings = {}
     for item in filter(None, rest.split(",")):
         key, eq, value = item.partition("=")
@@ -163,6 +172,8 @@ def _one_run(model, enc, spec: StrategySpec | None, max_new_tokens: int, timer: 
     kwargs = dict(**enc, max_new_tokens=max_new_tokens, do_sample=False, streamer=clock)
     if spec is None:  # AR: stock generate, even if the checkpoint carries decoding defaults
         kwargs.update(decoding=STOCK)
+    elif spec.decoding in STOCK_PEERS:
+        kwargs.update(decoding=STOCK, **{**STOCK_PEERS[spec.decoding], **spec.settings})
     else:
         kwargs.update(decoding=spec.decoding, **spec.settings)
     timer.reset()
@@ -343,3 +354,46 @@ def format_report(report: dict) -> str:
             f"{r['speedup_vs_ar']:>8.2f}x{r['exact_match_vs_ar']:>7.0%}{r['loop_overhead']:>10.1%}"
         )
     return "\n".join(lines)
+
+
+def grid_strategies(decoding: str, grid: dict[str, list]) -> list[StrategySpec]:
+    """Every combination of ``grid`` values as a strategy (first key varies slowest)."""
+    import itertools
+
+    keys = list(grid)
+    return [StrategySpec(decoding, dict(zip(keys, values))) for values in itertools.product(*grid.values())]
+
+
+def plot_sweep(report: dict, decoding: str, grid: dict[str, list], path: str | Path) -> None:
+    """Heatmaps of TPF and tokens/s over a two-setting grid (the seed's Figure 7b on this machine)."""
+    if len(grid) != 2:
+        logger.warning("sweep chart needs exactly two settings; got %s", list(grid))
+        return
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:  # pragma: no cover - optional dependency
+        logger.warning("matplotlib is not installed; no sweep chart written.")
+        return
+    (ky, ys), (kx, xs) = grid.items()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ax, (metric, title) in zip(axes, [("tpf", "TPF"), ("tokens_per_second", "tokens/s (end to end)")]):
+        values = [[report["results"][StrategySpec(decoding, {ky: y, kx: x}).label][metric] for x in xs] for y in ys]
+        im = ax.imshow(values, origin="lower", cmap="viridis", aspect="auto")
+        ax.set_xticks(range(len(xs)), [str(x) for x in xs])
+        ax.set_yticks(range(len(ys)), [str(y) for y in ys])
+        ax.set_xlabel(kx)
+        ax.set_ylabel(ky)
+        ax.set_title(f"{decoding}: {title}")
+        for yi, row in enumerate(values):
+            for xi, v in enumerate(row):
+                ax.text(xi, yi, f"{v:.2f}" if metric == "tpf" else f"{v:.1f}", ha="center", va="center",
+                        color="white", fontsize=8)
+        fig.colorbar(im, ax=ax)
+    ar = report["results"]["ar"]
+    fig.suptitle(f"{report['model']} on {report['device']}; AR: {ar['tokens_per_second']:.1f} tokens/s", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

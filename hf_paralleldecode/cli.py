@@ -108,6 +108,42 @@ def _bench(args) -> int:
     return 0
 
 
+def _sweep(args) -> int:
+    import json as _json
+    from pathlib import Path
+
+    import torch
+
+    from .bench import format_report, grid_strategies, parse_strategy, plot_sweep, run_benchmark
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    grid = {}
+    for item in args.grid:
+        key, eq, values = item.partition("=")
+        if not eq or not values:
+            raise ValueError(f"Bad --grid item {item!r}: write key=v1,v2,...")
+        grid[key] = [parse_strategy(f"{args.decoding}:{key}={v}").settings[key] for v in values.split(",")]
+    fixed = parse_strategy(f"{args.decoding}:{args.fixed}") if args.fixed else None
+    specs = grid_strategies(args.decoding, grid)
+    if fixed is not None:
+        for spec in specs:
+            spec.settings.update(fixed.settings)
+    model, tokenizer, name = _load(args)
+    report = run_benchmark(model, tokenizer, _prompts(args, None), specs, max_new_tokens=args.max_new_tokens,
+                           repeats=args.repeats, batch_size=args.batch_size, output_dir=args.output_dir,
+                           model_name=name)
+    print(format_report(report))
+    if args.output_dir:
+        out = Path(args.output_dir)
+        if fixed is None:
+            plot_sweep(report, args.decoding, grid, out / "sweep.png")
+        (out / "sweep_grid.json").write_text(_json.dumps({"decoding": args.decoding, "grid": grid,
+                                                          "fixed": fixed.settings if fixed else {}}, indent=2))
+        print(f"\nwrote {out}/bench.json, bench.png and sweep.png")
+    return 0
+
+
 def _demo(args) -> int:
     import torch
 
@@ -157,6 +193,16 @@ def main(argv=None) -> int:
     p_bench.add_argument("--output-dir", default="bench_out")
     p_bench.add_argument("--json", action="store_true", help="also print the JSON report")
     p_bench.set_defaults(func=_bench)
+
+    p_sweep = sub.add_parser("sweep", help="grid of one strategy's settings vs AR (TPF and tokens/s heatmaps)")
+    _add_model_args(p_sweep)
+    p_sweep.add_argument("--decoding", default="jacobi_forcing")
+    p_sweep.add_argument("--grid", nargs="+", default=["block_size=4,8,16,32", "pool_size=0,2,4,8"],
+                         help="key=v1,v2,... (two keys give a heatmap)")
+    p_sweep.add_argument("--fixed", default="", help="other settings, key=value,...")
+    p_sweep.add_argument("--repeats", type=int, default=1)
+    p_sweep.add_argument("--output-dir", default="sweep_out")
+    p_sweep.set_defaults(func=_sweep)
 
     p_demo = sub.add_parser("demo", help="embedded model: same prompts through AR and every strategy")
     _add_model_args(p_demo)

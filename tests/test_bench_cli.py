@@ -17,6 +17,7 @@ def test_parse_strategy():
     assert spec.label == "jacobi(block_size=16,jacobi_init=repeat)"
     with pytest.raises(ValueError, match="Available decodings"):
         parse_strategy("nope:block_size=2")
+    assert parse_strategy("prompt_lookup").decoding == "prompt_lookup"
     with pytest.raises(ValueError, match="key=value"):
         parse_strategy("jacobi:block_size")
 
@@ -26,9 +27,11 @@ def test_benchmark_reports_every_figure_and_writes_json_and_png(tmp_path, batch_
     model = tiny_model("llama")
     prompts = ["t5 t6 t7 t8", "t9 t10 t11", "t12 t13 t14 t15 t16"]
     specs = [parse_strategy("jacobi:block_size=4"), parse_strategy("jacobi:block_size=16")]
+    if batch_size == 1:  # transformers' prompt lookup decoding is batch-1 only
+        specs.append(parse_strategy("prompt_lookup:prompt_lookup_num_tokens=3"))
     report = run_benchmark(model, word_tokenizer(), prompts, specs, max_new_tokens=12, repeats=2,
                            batch_size=batch_size, output_dir=tmp_path, progress=False)
-    assert set(report["results"]) == {"ar", "jacobi(block_size=4)", "jacobi(block_size=16)"}
+    assert {"ar", "jacobi(block_size=4)", "jacobi(block_size=16)"} <= set(report["results"])
     for r in report["results"].values():
         assert r["exact_match_vs_ar"] == 1.0
         assert r["tpf"] >= 0.99 or batch_size > 1
@@ -74,3 +77,16 @@ def test_benchmark_survives_single_token_runs_and_uses_stock_ar(tmp_path):
                            max_new_tokens=1, repeats=1, progress=False)
     assert report["results"]["ar"]["decode_speedup_vs_ar"] is None  # no decode phase to compare
     assert report["results"]["ar"]["tpf"] == 1.0
+
+
+def test_cli_sweep_writes_heatmap(tmp_path, capsys):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("def f(x):\n    return\n\nimport os\n")
+    out = tmp_path / "s"
+    code = cli.main(["sweep", "--model", "random-tiny", "--prompts", str(prompts), "--max-new-tokens", "6",
+                     "--decoding", "jacobi_forcing", "--grid", "block_size=2,4", "pool_size=0,2",
+                     "--output-dir", str(out)])
+    assert code == 0
+    report = json.loads((out / "bench.json").read_text())
+    assert len(report["results"]) == 1 + 4
+    assert (out / "sweep.png").stat().st_size > 1000
