@@ -296,7 +296,6 @@ def test_rows_that_accept_different_lengths_compact_the_cache(monkeypatch):
         (dict(jacobi_init="zeros"), "jacobi_init"),
         (dict(jacobi_seed=-1), "jacobi_seed"),
         (dict(num_beams=2), "num_beams"),
-        (dict(do_sample=True), "do_sample=False"),
         (dict(use_cache=False), "use_cache"),
         (dict(num_return_sequences=2), "num_return_sequences"),
         (dict(output_attentions=True, return_dict_in_generate=True), "output_attentions"),

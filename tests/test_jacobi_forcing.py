@@ -101,7 +101,6 @@ def test_device_presets_and_stats():
         (dict(pool_size=-1), "pool_size"),
         (dict(ngram_size=1), "ngram_size"),
         (dict(block_size=0), "block_size"),
-        (dict(do_sample=True), "do_sample=False"),
     ],
 )
 def test_bad_settings(kwargs, match):

@@ -92,7 +92,6 @@ def test_streamer_and_stats():
         (dict(guess_set_size=-1), "guess_set_size"),
         (dict(window_size=2.0), "window_size"),
         (dict(pool_from_prompt="yes"), "pool_from_prompt"),
-        (dict(do_sample=True), "do_sample=False"),
     ],
 )
 def test_bad_settings(kwargs, match):

@@ -8,7 +8,7 @@ from models import prompts, tiny_model
 
 import hf_paralleldecode as hfpd
 from hf_paralleldecode.decoding.base import start
-from hf_paralleldecode.decoding.tree import chain_tree, greedy_tree_accept, pack_trees
+from hf_paralleldecode.decoding.tree import chain_tree, pack_trees, walk_tree
 
 
 def test_pack_trees_dedupes_prefixes_orders_topologically_and_builds_ancestor_masks():
@@ -33,11 +33,11 @@ def test_pack_trees_budget_and_validation():
         pack_trees(torch.tensor([0, 1]), [[[1]]])
 
 
-def test_greedy_tree_accept_walks_matching_children():
+def test_walk_tree_walks_matching_children():
     tree = pack_trees(torch.tensor([7, 7]), [[[1, 2, 3], [1, 2, 4], [5]], [[1, 2, 3], [5]]])
     # choices after each node: root->1, 1->2, 2->4 (so the 2-4 branch), 4->8 (bonus)
     choices = torch.tensor([[1, 2, 4, 0, 8, 0], [5, 0, 0, 0, 9, 0]])
-    path, num = greedy_tree_accept(tree, choices)
+    path, num = walk_tree(tree, choices)
     assert num.tolist() == [3, 1]
     assert path[0].tolist() == [0, 1, 2, 4]
     assert path[1, :2].tolist() == [0, 4] and (path[1, 2:] == -1).all()
@@ -50,8 +50,8 @@ def test_chain_fast_path_agrees_with_the_general_walk():
     choices = torch.randint(0, 3, (5, 8), generator=g)
     chain = chain_tree(tokens, widths)
     general = pack_trees(tokens[:, 0], [[tokens[b, 1 : int(widths[b])].tolist()] for b in range(5)])
-    p1, n1 = greedy_tree_accept(chain, choices)
-    p2, n2 = greedy_tree_accept(general, choices[:, : general.width])
+    p1, n1 = walk_tree(chain, choices)
+    p2, n2 = walk_tree(general, choices[:, : general.width])
     assert torch.equal(n1, n2)
     for b in range(5):
         assert p1[b, : int(n1[b]) + 1].tolist() == p2[b, : int(n2[b]) + 1].tolist()
@@ -76,7 +76,7 @@ def oracle_tree(model, input_ids, logits_processor, stopping_criteria, generatio
             cands.append([wrong[:2], right[:2] + wrong[2:3], right[:3] if c % 2 else right])
         budget = run.log.max_new_tokens - run.log.count[run.rows]
         tree = pack_trees(torch.tensor(roots), [[x[: int(b)] for x in cs] for cs, b in zip(cands, budget)])
-        run.verify_greedy(tree)
+        run.verify(tree)
     return run.result(bool(generation_config.return_dict_in_generate), 0.0)
 
 

@@ -25,7 +25,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from .cache import SlotCache, prepare_cache
 from .commit import CommitLog
 from .processors import MODEL_CALLING_PROCESSORS, process_block
-from .tree import PackedTree, greedy_tree_accept
+from .tree import PackedTree, walk_tree
 
 __all__ = ["DecodeRun", "ParallelDecodingOutput", "start", "check_int_setting"]
 
@@ -66,16 +66,11 @@ def check_int_setting(name: str, value, minimum: int) -> int:
     return value
 
 
-def _validate(model, name, input_ids, generation_config, logits_processor, model_kwargs, allow_sampling):
+def _validate(model, name, input_ids, generation_config, logits_processor, model_kwargs):
     if getattr(model.config, "is_encoder_decoder", False):
         raise ValueError(f"decoding={name!r} supports decoder-only causal LMs; this model is encoder-decoder.")
     if generation_config.num_beams is not None and generation_config.num_beams > 1:
         raise ValueError(f"decoding={name!r} does not combine with beam search: set num_beams=1.")
-    if generation_config.do_sample and not allow_sampling:
-        raise ValueError(
-            f"decoding={name!r} is greedy-only for now: pass do_sample=False (sampling verification is not "
-            'available for this strategy yet), or decoding="stock" for stock sampling.'
-        )
     if generation_config.num_return_sequences not in (None, 1):
         raise ValueError(f"decoding={name!r} supports num_return_sequences=1 only.")
     if generation_config.use_cache is False:
@@ -153,16 +148,27 @@ class DecodeRun:
         histories = [self.history(int(r)) for r in self.rows]
         return process_block(self.logits_processor, logits, tree, histories, self.rows, self.prompt.shape[0])
 
-    def verify_greedy(self, tree: PackedTree) -> tuple[torch.Tensor, torch.Tensor]:
-        """Feed ``tree``, accept the longest greedy path plus the bonus token, commit, emit.
+    def verify(self, tree: PackedTree) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feed ``tree``, accept the longest path the target agrees with plus one token, commit, emit.
 
-        Returns the target's ``choices`` ``[active, nodes]`` (the Jacobi update for chains) and
+        The target's choice after every node is its greedy choice (``do_sample=False``) or one
+        independent sample from its processed distribution ``p`` (``do_sample=True``). The walk
+        descends into the child whose token equals the choice; the choice at the last accepted
+        node is the bonus token. With sampling this is "sample, then match": every committed token
+        is a draw from ``p`` given its exact prefix, so the output is distributed exactly as
+        ordinary sampling with the same logits processors (only the random stream differs).
+
+        Returns the ``choices`` ``[active, nodes]`` (the Jacobi update for chains) and
         ``num_accepted`` ``[active]`` (nodes accepted below the root; the step commits one more).
         """
         logits = self.forward(tree)
         scores = self.process(logits, tree)
-        choices = scores.argmax(-1)  # [active, nodes]
-        path, num = greedy_tree_accept(tree, choices)
+        if self.generation_config.do_sample:
+            probs = torch.softmax(scores, dim=-1)  # [active, nodes, vocab]
+            choices = torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1).reshape(probs.shape[:2])
+        else:
+            choices = scores.argmax(-1)  # [active, nodes]
+        path, num = walk_tree(tree, choices)
         self.commit_path(path, num, choices, scores, logits)
         return choices, num
 
@@ -253,10 +259,9 @@ def start(
     generation_config,
     streamer,
     model_kwargs: dict,
-    allow_sampling: bool = False,
 ) -> DecodeRun:
     """Validate, prefill the prompt and commit every row's first token; return the run state."""
-    _validate(model, name, input_ids, generation_config, logits_processor, model_kwargs, allow_sampling)
+    _validate(model, name, input_ids, generation_config, logits_processor, model_kwargs)
     cache = prepare_cache(model, model_kwargs.get("past_key_values"), int(generation_config.max_length))
     batch, prompt_len = input_ids.shape
     attention_mask = model_kwargs.get("attention_mask")
@@ -297,7 +302,10 @@ def start(
     run.model_seconds += time.perf_counter() - t0
     run.num_forward_passes += 1
     scores = logits_processor(input_ids, logits) if logits_processor else logits
-    first = scores.argmax(-1)
+    if generation_config.do_sample:
+        first = torch.multinomial(torch.softmax(scores, dim=-1), 1).squeeze(1)
+    else:
+        first = scores.argmax(-1)
     log.add(rows, first[:, None], torch.ones_like(first), scores[:, None], logits[:, None])
     log.emit()
     return run

@@ -141,7 +141,7 @@ def jacobi(
             break
         widths = proposer.widths()  # [active]
         block = chain_tree(proposer.draft[:, : int(widths.max())], widths)
-        choices, accepted = run.verify_greedy(block)
+        choices, accepted = run.verify(block)
         proposer.update(choices, accepted)
 
     run.stats["block_size"] = block_size

@@ -192,7 +192,7 @@ def jacobi_forcing(
             break
         roots, cands = proposer.candidates()
         tree = pack_trees(roots, cands)
-        choices, _ = run.verify_greedy(tree)
+        choices, _ = run.verify(tree)
         proposer.update(tree, choices)
     run.stats.update(block_size=n, num_blocks=K, activation_ratio=r, pool_size=pool, ngram_size=ngram,
                      **proposer.stats)

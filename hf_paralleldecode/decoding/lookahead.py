@@ -151,7 +151,7 @@ def lookahead(
             break
         roots, cands, num_window = proposer.candidates()
         tree = pack_trees(roots, cands)
-        choices, accepted = run.verify_greedy(tree)
+        choices, accepted = run.verify(tree)
         proposer.update(tree, choices, accepted, num_window)
     run.stats.update(window_size=window_size, ngram_size=ngram_size, guess_set_size=guess_set_size,
                      pool_entries=sum(proposer.pool.size(r) for r in range(input_ids.shape[0])))

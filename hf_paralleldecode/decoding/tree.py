@@ -6,16 +6,16 @@ What it is for
     row's candidates into a trie (shared prefixes stored once), lays the nodes out along the
     sequence axis in topological order and gives each node its depth (position offset) and its
     ancestors-or-self attention row. :func:`chain_tree` builds the degenerate one-path tree of a
-    Jacobi block without Python loops. :func:`greedy_tree_accept` walks from the root along the
-    children whose token equals the target's greedy choice and returns the accepted path plus the
-    bonus token. The KV of exactly the path's nodes is then kept by ``SlotCache.commit``.
+    Jacobi block without Python loops. :func:`walk_tree` walks from the root along the
+    children whose token equals the target's choice (greedy, or sampled) and returns the accepted
+    path plus the bonus token. The KV of exactly the path's nodes is then kept by ``SlotCache.commit``.
 
 Shapes (``batch`` rows, ``nodes`` packed nodes per row, node 0 is always the root)
     ``tokens``, ``parents``, ``depth``: ``[batch, nodes]``; ``mask``: ``[batch, nodes, nodes]``.
     Rows with fewer nodes are padded with *filler* nodes (parent ``-1``, attend to themselves only).
 
 What it deliberately does not know
-    Where candidates come from, and sampling-based acceptance.
+    Where candidates come from, and how the choices were made (argmax or sampling).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["PackedTree", "pack_trees", "chain_tree", "greedy_tree_accept"]
+__all__ = ["PackedTree", "pack_trees", "chain_tree", "walk_tree"]
 
 
 @dataclass
@@ -126,8 +126,8 @@ def pack_trees(
     return PackedTree(tokens, parents, depth, num_nodes, mask, candidate_nodes=rows_nodes)
 
 
-def greedy_tree_accept(tree: PackedTree, choices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Walk each row's tree along the target's greedy choices.
+def walk_tree(tree: PackedTree, choices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Walk each row's tree along the target's choices (greedy argmax or samples, one per node).
 
     Args:
         tree: the packed trees that were fed.
@@ -141,9 +141,9 @@ def greedy_tree_accept(tree: PackedTree, choices: torch.Tensor) -> tuple[torch.T
     batch = choices.shape[0]
     device = choices.device
     if tree.is_chain:  # fast path: leading matches of a single path
-        from .verify import greedy_accept
+        from .verify import match_prefix
 
-        num = greedy_accept(tree.tokens[:, 1:], choices[:, :-1], tree.num_nodes - 1)
+        num = match_prefix(tree.tokens[:, 1:], choices[:, :-1], tree.num_nodes - 1)
         idx = torch.arange(tree.width, device=device)[None]
         return torch.where(idx <= num[:, None], idx, -1), num
     real = tree.real

@@ -1,4 +1,4 @@
-"""Acceptance rules shared by every drafter (Jacobi blocks now; n-gram and tree drafts later).
+"""Prefix matching, the chain fast path of the tree walk (``tree.walk_tree``).
 
 Glossary (one notation everywhere): the target's distribution is ``p``; a step feeds the last
 committed token followed by guessed tokens; *accepted* tokens are the leading guesses that equal
@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["greedy_accept"]
+__all__ = ["match_prefix"]
 
 
-def greedy_accept(
+def match_prefix(
     guesses: torch.Tensor,  # [batch, k] guessed tokens at positions 1..k of the fed block
-    choices: torch.Tensor,  # [batch, k] target's greedy choice for those same positions
+    choices: torch.Tensor,  # [batch, k] target's choice (greedy or sampled) for those same positions
     num_guesses: torch.Tensor,  # [batch] how many of the k guesses are real (the rest is filler)
 ) -> torch.Tensor:
     """Number of leading guesses equal to the target's choice, per row (``[batch]``, long)."""
