@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import transformers
+
+import hf_paralleldecode as hfpd
 
 VOCAB = 97
 BOS, EOS, PAD = 1, 2, 0
@@ -62,3 +66,30 @@ def word_tokenizer():
     tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t3"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t0", eos_token="t2")
+
+
+@functools.cache
+def enabled(arch: str, attn: str = "sdpa"):
+    """A cached tiny model of ``arch`` passed through ``hf_paralleldecode.enable``."""
+    return hfpd.enable(tiny_model(arch, attn=attn))
+
+
+@functools.cache
+def reference(arch: str, batch: int, max_new_tokens: int, attn: str = "sdpa"):
+    """Stock greedy output on ``prompts(batch)`` (cached across the equivalence tables)."""
+    ids, mask = prompts(batch)
+    return enabled(arch, attn).generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                                        do_sample=False)
+
+
+class RecordingStreamer:
+    """Streamer that records every ``put`` and counts ``end`` calls."""
+
+    def __init__(self):
+        self.values, self.ended = [], 0
+
+    def put(self, value):
+        self.values.append(value.clone())
+
+    def end(self):
+        self.ended += 1

@@ -27,7 +27,7 @@ from .commit import CommitLog
 from .processors import MODEL_CALLING_PROCESSORS, process_block
 from .tree import PackedTree, walk_tree
 
-__all__ = ["DecodeRun", "ParallelDecodingOutput", "start", "check_int_setting"]
+__all__ = ["DecodeRun", "ParallelDecodingOutput", "Proposer", "decode", "start", "check_int_setting"]
 
 SUPPORTED_ATTENTION = ("sdpa", "eager")
 
@@ -309,3 +309,46 @@ def start(
     log.add(rows, first[:, None], torch.ones_like(first), scores[:, None], logits[:, None])
     log.emit()
     return run
+
+
+class Proposer:
+    """What a strategy supplies to :func:`decode`: guesses as a token tree, and what it learns back.
+
+    ``propose()`` returns the :class:`PackedTree` to verify for the active rows;
+    ``update(tree, choices, accepted)`` receives the target's choices after every node and the
+    accepted depth per row; ``select(kept)`` follows ``DecodeRun.drop_finished`` (positions of
+    the active rows that stay); ``stats`` are merged into the output's statistics.
+    """
+
+    stats: dict = {}
+
+    def propose(self) -> PackedTree:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def update(self, tree: PackedTree, choices: torch.Tensor, accepted: torch.Tensor) -> None:  # pragma: no cover
+        raise NotImplementedError
+
+    def select(self, kept: torch.Tensor) -> None:
+        """Default: the proposer keys its state by original row id and needs no compaction."""
+
+
+def decode(model, name, make_proposer, input_ids, logits_processor, stopping_criteria, generation_config,
+           streamer, model_kwargs, settings: dict):
+    """The loop every strategy shares: validate + prefill, then propose -> verify -> update until done."""
+    wall_start = time.perf_counter()
+    run = start(model, name, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
+                model_kwargs)
+    run.stats.update(settings)
+    if not run.log.done:  # (no room for new tokens is only reachable by calling a strategy directly)
+        proposer = make_proposer(run)
+        while not run.log.done:
+            kept = run.drop_finished()
+            if kept is not None:
+                proposer.select(kept)
+            if run.rows.numel() == 0:
+                break
+            tree = proposer.propose()
+            choices, accepted = run.verify(tree)
+            proposer.update(tree, choices, accepted)
+        run.stats.update(proposer.stats)
+    return run.result(bool(generation_config.return_dict_in_generate), wall_start)

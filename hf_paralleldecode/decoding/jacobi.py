@@ -26,11 +26,9 @@ Lossless
 
 from __future__ import annotations
 
-import time
-
 import torch
 
-from .base import check_int_setting, start
+from .base import Proposer, check_int_setting, decode
 from .tree import chain_tree
 
 __all__ = ["jacobi", "JACOBI_INITS"]
@@ -45,7 +43,7 @@ def _check_jacobi_settings(block_size, jacobi_init, jacobi_seed):
     check_int_setting("jacobi_seed", jacobi_seed, 0)
 
 
-class JacobiProposer:
+class JacobiProposer(Proposer):
     """Per-row Jacobi block state: the tokens to feed next and how much of the block is left.
 
     ``draft`` ``[active, block_size]``: ``draft[:, 0]`` is the last committed token, the rest are
@@ -64,6 +62,10 @@ class JacobiProposer:
         self.block_left = torch.full_like(first, block_size)
         self._new_guesses(torch.ones_like(first, dtype=torch.bool))
 
+    def propose(self):
+        widths = self.widths()  # [active]
+        return chain_tree(self.draft[:, : int(widths.max())], widths)
+
     def widths(self) -> torch.Tensor:
         """Tokens to feed per row: the rest of the block, capped by the row's token budget."""
         log = self.run.log
@@ -73,7 +75,7 @@ class JacobiProposer:
     def select(self, keep: torch.Tensor) -> None:
         self.draft, self.block_left = self.draft[keep], self.block_left[keep]
 
-    def update(self, choices: torch.Tensor, accepted: torch.Tensor) -> None:
+    def update(self, tree, choices: torch.Tensor, accepted: torch.Tensor) -> None:
         """Jacobi update after a forward: ``choices [active, width]``, ``accepted [active]``."""
         width = choices.shape[1]
         idx = (accepted[:, None] + torch.arange(self.n, device=choices.device)).clamp(max=width - 1)
@@ -123,26 +125,9 @@ def jacobi(
             with ``custom_generate=jacobi`` pass ``pd_streamer=`` yourself, because transformers
             does not hand ``streamer`` to ``custom_generate`` callables (it would only see the prompt).
     """
-    wall_start = time.perf_counter()
     _check_jacobi_settings(block_size, jacobi_init, jacobi_seed)
-    run = start(
-        model, "jacobi", input_ids, logits_processor, stopping_criteria, generation_config,
-        pd_streamer if pd_streamer is not None else streamer, model_kwargs,
+    return decode(
+        model, "jacobi", lambda run: JacobiProposer(run, block_size, jacobi_init, jacobi_seed), input_ids,
+        logits_processor, stopping_criteria, generation_config, pd_streamer if pd_streamer is not None else streamer, model_kwargs,
+        dict(block_size=block_size),
     )
-    if run.log.done:  # no room for new tokens (only reachable by calling the strategy directly)
-        return run.result(bool(generation_config.return_dict_in_generate), wall_start)
-    proposer = JacobiProposer(run, block_size, jacobi_init, jacobi_seed)
-
-    while not run.log.done:
-        kept = run.drop_finished()
-        if kept is not None:
-            proposer.select(kept)
-        if run.rows.numel() == 0:
-            break
-        widths = proposer.widths()  # [active]
-        block = chain_tree(proposer.draft[:, : int(widths.max())], widths)
-        choices, accepted = run.verify(block)
-        proposer.update(choices, accepted)
-
-    run.stats["block_size"] = block_size
-    return run.result(bool(generation_config.return_dict_in_generate), wall_start)

@@ -29,11 +29,9 @@ Lossless: every committed token is the target's greedy choice given the committe
 
 from __future__ import annotations
 
-import time
-
 import torch
 
-from .base import check_int_setting, start
+from .base import Proposer, check_int_setting, decode
 from .ngram_pool import NgramPool
 from .tree import pack_trees
 
@@ -62,7 +60,7 @@ def _resolve_settings(model, block_size, num_blocks, activation_ratio, pool_size
     return block_size, num_blocks, float(activation_ratio), pool_size, ngram_size
 
 
-class MultiblockProposer:
+class MultiblockProposer(Proposer):
     """Per original row: the chain of guesses (``chain[0]`` = root) and the end of each block.
 
     Positions are indices into the row's generated tokens; the root sits at ``count - 1``. Block
@@ -97,7 +95,8 @@ class MultiblockProposer:
             chain = chain + [fill[(k + len(chain)) % len(fill)] for k in range(want - len(chain))]
         self.chain[r] = chain
 
-    def candidates(self):
+    def propose(self):
+        """The chain first (its nodes are read back in ``update``), then recycled n-grams."""
         roots, cands = [], []
         for r in self.run.rows.tolist():
             chain = self.chain[r]
@@ -105,9 +104,9 @@ class MultiblockProposer:
             budget = self._limit(r) - int(self.run.log.count[r])  # a depth-d path commits d + 1 tokens
             roots.append(chain[0])
             cands.append([c[:budget] for c in [chain[1:]] + guesses])
-        return torch.tensor(roots, device=self.run.rows.device), cands
+        return pack_trees(torch.tensor(roots, device=self.run.rows.device), cands)
 
-    def update(self, tree, choices: torch.Tensor) -> None:
+    def update(self, tree, choices: torch.Tensor, accepted: torch.Tensor) -> None:
         choices_l = choices.tolist()
         fills = self.run.sample_context(self.n, self.generator).tolist()
         for i, r in enumerate(self.run.rows.tolist()):
@@ -176,24 +175,10 @@ def jacobi_forcing(
         jacobi_seed: seed for the guesses of new blocks (drawn from the row's context).
         pd_streamer: see :func:`hf_paralleldecode.jacobi`.
     """
-    wall_start = time.perf_counter()
     n, K, r, pool, ngram = _resolve_settings(model, block_size, num_blocks, activation_ratio, pool_size,
                                               ngram_size, jacobi_seed)
-    run = start(
-        model, "jacobi_forcing", input_ids, logits_processor, stopping_criteria, generation_config,
-        pd_streamer if pd_streamer is not None else streamer, model_kwargs,
+    return decode(
+        model, "jacobi_forcing", lambda run: MultiblockProposer(run, n, K, r, pool, ngram, jacobi_seed), input_ids,
+        logits_processor, stopping_criteria, generation_config, pd_streamer if pd_streamer is not None else streamer, model_kwargs,
+        dict(block_size=n, num_blocks=K, activation_ratio=r, pool_size=pool, ngram_size=ngram),
     )
-    if run.log.done:
-        return run.result(bool(generation_config.return_dict_in_generate), wall_start)
-    proposer = MultiblockProposer(run, n, K, r, pool, ngram, jacobi_seed)
-    while not run.log.done:
-        run.drop_finished()
-        if run.rows.numel() == 0:
-            break
-        roots, cands = proposer.candidates()
-        tree = pack_trees(roots, cands)
-        choices, _ = run.verify(tree)
-        proposer.update(tree, choices)
-    run.stats.update(block_size=n, num_blocks=K, activation_ratio=r, pool_size=pool, ngram_size=ngram,
-                     **proposer.stats)
-    return run.result(bool(generation_config.return_dict_in_generate), wall_start)

@@ -28,11 +28,9 @@ Lossless: acceptance is the general greedy tree verifier with per-node logits pr
 
 from __future__ import annotations
 
-import time
-
 import torch
 
-from .base import check_int_setting, start
+from .base import Proposer, check_int_setting, decode
 from .ngram_pool import NgramPool
 from .tree import pack_trees
 
@@ -48,7 +46,7 @@ def _check_settings(window_size, ngram_size, guess_set_size, pool_from_prompt, l
         raise ValueError(f"`pool_from_prompt` must be True or False, got {pool_from_prompt!r}.")
 
 
-class LookaheadProposer:
+class LookaheadProposer(Proposer):
     """Windows (per original row) and the shared n-gram pools; builds each step's candidates."""
 
     def __init__(self, run, window: int, ngram: int, guesses: int, pool_from_prompt: bool, seed: int):
@@ -63,10 +61,14 @@ class LookaheadProposer:
         fill = run.sample_context(window, self.generator).tolist()
         self.levels: dict[int, list[list[int]]] = {r: [fill[i]] for i, r in enumerate(run.rows.tolist())}
 
-    def candidates(self) -> tuple[torch.Tensor, list[list[list[int]]], list[int]]:
-        """Roots ``[active]``, per-row candidate lists, and the number of window candidates per row."""
+    @property
+    def stats(self) -> dict:
+        return {"pool_entries": sum(self.pool.size(r) for r in range(self.run.prompt.shape[0]))}
+
+    def propose(self):
+        """Window columns first (their nodes are read back in ``update``), then pool n-grams."""
         log = self.run.log
-        roots, cands, num_window = [], [], []
+        roots, cands = [], []
         for r in self.run.rows.tolist():
             count = int(log.count[r])
             root = int(log.tokens[r, count - 1])
@@ -77,10 +79,9 @@ class LookaheadProposer:
             row = [c[:max_depth] for c in window + guesses]
             roots.append(root)
             cands.append(row)
-            num_window.append(len(window))
-        return torch.tensor(roots, device=self.run.rows.device), cands, num_window
+        return pack_trees(torch.tensor(roots, device=self.run.rows.device), cands)
 
-    def update(self, tree, choices: torch.Tensor, accepted: torch.Tensor, num_window: list[int]) -> None:
+    def update(self, tree, choices: torch.Tensor, accepted: torch.Tensor) -> None:
         """Collect n-grams, slide the windows by the committed tokens, refill freed columns."""
         choices_l, accepted_l = choices.tolist(), accepted.tolist()
         rows = self.run.rows.tolist()
@@ -88,7 +89,7 @@ class LookaheadProposer:
         for i, r in enumerate(rows):
             levels = self.levels[r]
             depth_needed = len(levels)  # tokens per column
-            nodes = tree.candidate_nodes[i][: num_window[i]]
+            nodes = tree.candidate_nodes[i][: self.W]
             if any(len(col) < self.W - 1 + depth_needed for col in nodes[-1:]) or len(nodes) < self.W:
                 # the budget cut the window (end of generation): keep it, nothing to learn
                 refill_needed.append((i, r, 0, levels))
@@ -136,23 +137,10 @@ def lookahead(
         lookahead_seed: seed of the generator that refills window columns from the context.
         pd_streamer: see :func:`hf_paralleldecode.jacobi`.
     """
-    wall_start = time.perf_counter()
     _check_settings(window_size, ngram_size, guess_set_size, pool_from_prompt, lookahead_seed)
-    run = start(
-        model, "lookahead", input_ids, logits_processor, stopping_criteria, generation_config,
-        pd_streamer if pd_streamer is not None else streamer, model_kwargs,
+    return decode(
+        model, "lookahead",
+        lambda run: LookaheadProposer(run, window_size, ngram_size, guess_set_size, pool_from_prompt, lookahead_seed),
+        input_ids, logits_processor, stopping_criteria, generation_config, pd_streamer if pd_streamer is not None else streamer, model_kwargs,
+        dict(window_size=window_size, ngram_size=ngram_size, guess_set_size=guess_set_size),
     )
-    if run.log.done:
-        return run.result(bool(generation_config.return_dict_in_generate), wall_start)
-    proposer = LookaheadProposer(run, window_size, ngram_size, guess_set_size, pool_from_prompt, lookahead_seed)
-    while not run.log.done:
-        run.drop_finished()
-        if run.rows.numel() == 0:
-            break
-        roots, cands, num_window = proposer.candidates()
-        tree = pack_trees(roots, cands)
-        choices, accepted = run.verify(tree)
-        proposer.update(tree, choices, accepted, num_window)
-    run.stats.update(window_size=window_size, ngram_size=ngram_size, guess_set_size=guess_set_size,
-                     pool_entries=sum(proposer.pool.size(r) for r in range(input_ids.shape[0])))
-    return run.result(bool(generation_config.return_dict_in_generate), wall_start)
