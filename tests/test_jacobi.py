@@ -372,3 +372,33 @@ def test_direct_call_with_no_room_returns_the_prompt():
     out = hfpd.jacobi(model, ids, logits_processor=None, stopping_criteria=StoppingCriteriaList(
         [MaxLengthCriteria(ids.shape[1])]), generation_config=config, block_size=4)
     assert torch.equal(out, ids)
+
+
+def test_stateful_watermark_processor_is_refused():
+    from transformers import SynthIDTextWatermarkingConfig
+
+    model = enabled("llama")
+    ids, _ = prompts(1)
+    config = SynthIDTextWatermarkingConfig(keys=[1, 2, 3, 4], ngram_len=3)
+    with pytest.raises(ValueError, match="SynthID"):
+        model.generate(input_ids=ids, max_new_tokens=5, decoding="jacobi", watermarking_config=config)
+
+
+def test_stopping_criteria_receive_the_scores_tuple_like_stock():
+    seen = {}
+
+    class Capture(StoppingCriteria):
+        def __init__(self, key):
+            self.key = key
+
+        def __call__(self, input_ids, scores, **kwargs):
+            seen.setdefault(self.key, []).append(None if scores is None else (type(scores), len(scores)))
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    model = enabled("llama")
+    ids, _ = prompts(1)
+    for key, extra in (("ref", {}), ("ours", dict(decoding="jacobi", block_size=4))):
+        model.generate(input_ids=ids, max_new_tokens=6, do_sample=False, eos_token_id=None,
+                       return_dict_in_generate=True, output_scores=True,
+                       stopping_criteria=StoppingCriteriaList([Capture(key)]), **extra)
+    assert seen["ours"] == seen["ref"]

@@ -68,3 +68,13 @@ def test_ngram_pool_is_lru_per_key():
     pool.add_sequence(0, [9, 8, 9, 8], 3)
     assert pool.get(0, 9) == [(8, 9)] and pool.get(0, 8) == [(9, 8)]
     assert pool.size(0) == 4 and pool.get(0, 42) == []
+
+
+def test_window_wider_than_the_budget_still_learns_and_slides():
+    model = enabled("llama")
+    ids, _ = prompts(1)
+    kwargs = dict(input_ids=ids, max_new_tokens=20, do_sample=False, eos_token_id=None)
+    out = model.generate(**kwargs, decoding="lookahead", window_size=40, ngram_size=2, pool_from_prompt=False,
+                         return_dict_in_generate=True)
+    assert torch.equal(out.sequences, model.generate(**kwargs))
+    assert out.stats["pool_entries"] > 0

@@ -24,7 +24,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .cache import SlotCache, prepare_cache
 from .commit import CommitLog
-from .processors import MODEL_CALLING_PROCESSORS, process_block
+from .processors import ONE_CALL_PER_TOKEN_PROCESSORS, process_block
 from .tree import PackedTree, walk_tree
 
 __all__ = ["DecodeRun", "ParallelDecodingOutput", "Proposer", "decode", "start", "check_int_setting"]
@@ -85,11 +85,12 @@ def _validate(model, name, input_ids, generation_config, logits_processor, model
     if input_ids.shape[1] == 0:
         raise ValueError("decoding needs a non-empty prompt (input_ids of length >= 1).")
     for proc in logits_processor or []:
-        if isinstance(proc, MODEL_CALLING_PROCESSORS):
+        reason = ONE_CALL_PER_TOKEN_PROCESSORS.get(type(proc).__name__)
+        if reason is not None:
             raise ValueError(
-                f"{type(proc).__name__} (guidance_scale / classifier-free guidance) runs the model once per "
-                f"generated token with its own cache, which decoding={name!r} cannot reproduce over a block. "
-                'Drop guidance_scale, or use decoding="stock".'
+                f"{type(proc).__name__} ({reason}) expects exactly one call per generated token, which "
+                f"decoding={name!r} cannot give it when it scores a whole block per forward. Drop that "
+                'setting, or use decoding="stock".'
             )
     attn = getattr(model.config, "_attn_implementation", None) or "eager"
     if attn not in SUPPORTED_ATTENTION:

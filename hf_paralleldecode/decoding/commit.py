@@ -126,7 +126,9 @@ class CommitLog:
                 self.logits.append(self._logit_buf[:, t])
             if self.streamer is not None:
                 self.streamer.put(step.cpu())
-            stopped = self.unfinished & self.stopping_criteria(self.sequences, step_scores)
+            # like stock: the criteria get the tuple of every step's scores when they are kept, else None
+            all_scores = tuple(self.scores) if self.scores is not None else None
+            stopped = self.unfinished & self.stopping_criteria(self.sequences, all_scores)
             self.finished_at[stopped] = t + 1
             self.unfinished &= ~stopped
             self.emitted += 1

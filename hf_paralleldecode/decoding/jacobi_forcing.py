@@ -18,11 +18,11 @@ Algorithm (per row; see ``../shared/seeds/jacobi_forcing_blog.txt``)
     one token tree and go through the general greedy verifier in ONE forward; the longest
     accepted path wins. The pool lives for the whole call.
 
-    With ``num_blocks=1`` and ``pool_size=0`` this is plain Jacobi decoding.
+    With ``num_blocks=1`` and ``pool_size=0`` this reduces to plain Jacobi iteration.
 
 Defaults (``None``): the seed's GPU configuration ``n=64, K=2, r=0.85, pool_size=4`` on CUDA, and
 on CPU the configuration in :data:`CPU_DEFAULTS` (see ``docs/methods/jacobi_forcing.md`` for how it
-was measured). ``ngram_size`` defaults to ``block_size`` (recycled candidates as long as a block).
+was measured). ``ngram_size`` defaults to ``max(block_size, 2)`` (recycled candidates as long as a block).
 
 Lossless: every committed token is the target's greedy choice given the committed prefix.
 """
@@ -55,7 +55,7 @@ def _resolve_settings(model, block_size, num_blocks, activation_ratio, pool_size
         raise ValueError(f"`activation_ratio` must be a number in (0, 1], got {activation_ratio!r}.")
     if not 0 < activation_ratio <= 1:
         raise ValueError(f"`activation_ratio` must be in (0, 1], got {activation_ratio}.")
-    ngram_size = block_size if ngram_size is None else ngram_size
+    ngram_size = max(block_size, 2) if ngram_size is None else ngram_size
     check_int_setting("ngram_size", ngram_size, 2)
     return block_size, num_blocks, float(activation_ratio), pool_size, ngram_size
 
@@ -92,7 +92,7 @@ class MultiblockProposer(Proposer):
         want = min(self.ends[r][-1], self._limit(r)) - root_pos
         chain = self.chain[r][:want]
         if len(chain) < want:
-            chain = chain + [fill[(k + len(chain)) % len(fill)] for k in range(want - len(chain))]
+            chain = chain + [fill[k % len(fill)] for k in range(want - len(chain))]
         self.chain[r] = chain
 
     def propose(self):
@@ -115,12 +115,12 @@ class MultiblockProposer(Proposer):
             update = [choices_l[i][m] for m in nodes]  # update[j] = Jacobi guess for chain position j + 1
             old_root_pos, root_pos = self.root_pos[r], int(self.run.log.count[r]) - 1
             a = root_pos - old_root_pos  # tokens committed this step (the new root is the bonus token)
-            # convergence of the newest block under its (noisy) prefix, before moving on:
-            # its committed positions plus its leading positions the Jacobi update reproduced
+            # convergence of the newest block: its committed positions (the new root included) plus
+            # its next positions that the Jacobi update reproduced under the (noisy) old chain
             ends = self.ends[r]
             block_start, block_end = (ends[-2] if len(ends) > 1 else ends[-1] - self.n), ends[-1]
-            newest_done = max(0, min(old_root_pos + 1, block_end) - block_start)
-            for pos in range(max(block_start, old_root_pos + 1), min(block_end, old_root_pos + len(nodes))):
+            newest_done = max(0, min(root_pos + 1, block_end) - block_start)
+            for pos in range(max(block_start, root_pos + 1), min(block_end, old_root_pos + len(nodes))):
                 j = pos - old_root_pos
                 if old[j] != update[j - 1]:
                     break
@@ -171,7 +171,7 @@ def jacobi_forcing(
         num_blocks: K, blocks in flight (1 real-active + up to K - 1 pseudo-active).
         activation_ratio: r in (0, 1]: converged share of the newest block before another is added.
         pool_size: recycled n-gram candidates verified per step (0 disables rejection recycling).
-        ngram_size: length of recycled n-grams (default: block_size).
+        ngram_size: length of recycled n-grams (default: ``max(block_size, 2)``).
         jacobi_seed: seed for the guesses of new blocks (drawn from the row's context).
         pd_streamer: see :func:`hf_paralleldecode.jacobi`.
     """

@@ -60,6 +60,7 @@ class LookaheadProposer(Proposer):
                 self.pool.add_sequence(r, tokens, ngram)
         fill = run.sample_context(window, self.generator).tolist()
         self.levels: dict[int, list[list[int]]] = {r: [fill[i]] for i, r in enumerate(run.rows.tolist())}
+        self.ages: dict[int, list[int]] = {r: [0] * window for r in run.rows.tolist()}  # updates since refill
 
     @property
     def stats(self) -> dict:
@@ -82,32 +83,32 @@ class LookaheadProposer(Proposer):
         return pack_trees(torch.tensor(roots, device=self.run.rows.device), cands)
 
     def update(self, tree, choices: torch.Tensor, accepted: torch.Tensor) -> None:
-        """Collect n-grams, slide the windows by the committed tokens, refill freed columns."""
+        """Collect n-grams, move levels up, slide by the committed tokens, refill freed columns.
+
+        A column whose top node the token budget cut (end of generation) gets no new token this
+        step and is refilled. A refilled column holds context tokens, not Jacobi output, in every
+        level: its n-grams enter the pool only after ``N - 2`` updates made its levels genuine.
+        """
         choices_l, accepted_l = choices.tolist(), accepted.tolist()
-        rows = self.run.rows.tolist()
-        refill_needed = []
-        for i, r in enumerate(rows):
-            levels = self.levels[r]
-            depth_needed = len(levels)  # tokens per column
-            nodes = tree.candidate_nodes[i][: self.W]
-            if any(len(col) < self.W - 1 + depth_needed for col in nodes[-1:]) or len(nodes) < self.W:
-                # the budget cut the window (end of generation): keep it, nothing to learn
-                refill_needed.append((i, r, 0, levels))
-                continue
-            new = [choices_l[i][col[-1]] for col in nodes]
-            full = len(levels) == self.N - 1
-            if full:
-                for c in range(self.W):
-                    self.pool.add(r, levels[0][c], [lv[c] for lv in levels[1:]] + [new[c]])
-                levels = levels[1:] + [new]
-                drop = accepted_l[i]  # committed - 1
-            else:
-                levels = levels + [new]
-                drop = accepted_l[i] + 1  # committed
-            refill_needed.append((i, r, drop, [lv[drop:] for lv in levels]))
         fills = self.run.sample_context(self.W, self.generator).tolist()
-        for i, r, _, levels in refill_needed:
-            self.levels[r] = [lv + fills[i][: self.W - len(lv)] for lv in levels]
+        for i, r in enumerate(self.run.rows.tolist()):
+            levels, ages, fill = self.levels[r], self.ages[r], fills[i]
+            depth = len(levels)  # column c is c + depth tokens long (level 0 up to c, then one per level)
+            cols = tree.candidate_nodes[i][: self.W]
+            new = [choices_l[i][col[-1]] if len(col) == c + depth else None for c, col in enumerate(cols)]
+            if depth == self.N - 1:  # full window: harvest n-grams, levels move up
+                for c in range(self.W):
+                    if new[c] is not None and ages[c] >= self.N - 2:
+                        self.pool.add(r, levels[0][c], [lv[c] for lv in levels[1:]] + [new[c]])
+                levels, drop = levels[1:] + [new], accepted_l[i]  # slide by committed - 1
+            else:  # warm-up: one more level
+                levels, drop = levels + [new], accepted_l[i] + 1  # slide by committed
+            ages = [a + 1 for a in ages[drop:]] + [0] * min(drop, self.W)
+            levels = [lv[drop:] + fill[len(lv[drop:]) :] for lv in levels]
+            for c, tok in enumerate(levels[-1]):
+                if tok is None:  # cut by the budget: refill
+                    levels[-1][c], ages[c] = fill[c], 0
+            self.levels[r], self.ages[r] = levels, ages
 
 
 def lookahead(

@@ -23,14 +23,15 @@ from __future__ import annotations
 import torch
 from transformers.generation import logits_process as lp
 
-__all__ = ["process_block", "PREFIX_INDEPENDENT_PROCESSORS", "MODEL_CALLING_PROCESSORS"]
+__all__ = ["process_block", "PREFIX_INDEPENDENT_PROCESSORS", "ONE_CALL_PER_TOKEN_PROCESSORS"]
 
-# Processors that run the model themselves, once per generated token (refused by every strategy).
-MODEL_CALLING_PROCESSORS: tuple[type, ...] = tuple(
-    getattr(lp, name)
-    for name in ("UnbatchedClassifierFreeGuidanceLogitsProcessor", "ClassifierFreeGuidanceLogitsProcessor")
-    if hasattr(lp, name)
-)
+# Processors that assume exactly one call per generated token, in order (they run the model
+# themselves, or keep state across calls): refused by every strategy, with the reason.
+ONE_CALL_PER_TOKEN_PROCESSORS: dict[str, str] = {
+    "UnbatchedClassifierFreeGuidanceLogitsProcessor": "guidance_scale / classifier-free guidance runs the model",
+    "ClassifierFreeGuidanceLogitsProcessor": "guidance_scale / classifier-free guidance runs the model",
+    "SynthIDTextWatermarkLogitsProcessor": "SynthID watermarking keeps state",
+}
 
 # Processors whose output depends on the scores alone (never on input_ids): safe to batch.
 PREFIX_INDEPENDENT_PROCESSORS: tuple[type, ...] = tuple(
