@@ -156,6 +156,7 @@ def _demo(args) -> int:
     prompts = _prompts(args, 4)
     demo_settings = {"jacobi": {"block_size": 16}}
     strategies = [StrategySpec(d, demo_settings.get(d, {})) for d in available_decodings()]
+    strategies.append(StrategySpec("prompt_lookup"))  # transformers' own peer, for reference
     print(f"model: {name}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, "
           f"{next(model.parameters()).device}; {len(prompts)} prompts x {args.max_new_tokens} new tokens\n")
     enc = tokenizer(prompts[0], return_tensors="pt").to(model.device)
