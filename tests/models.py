@@ -93,3 +93,26 @@ class RecordingStreamer:
 
     def end(self):
         self.ended += 1
+
+
+class ForwardRecorder:
+    """Wraps model.forward to record what each target forward is fed."""
+
+    def __init__(self, model):
+        self.calls = []
+        self.model = model
+        orig = model.forward
+
+        def forward(*args, **kwargs):
+            cache = kwargs.get("past_key_values")
+            self.calls.append(dict(
+                fed=kwargs["input_ids"].shape[1],
+                cached=cache.get_seq_length() if cache is not None else 0,
+                first_position=int(kwargs["position_ids"][0, 0]) if kwargs.get("position_ids") is not None else None,
+            ))
+            return orig(*args, **kwargs)
+
+        model.forward = forward
+
+    def restore(self):
+        del self.model.forward
