@@ -144,6 +144,22 @@ def _sweep(args) -> int:
     return 0
 
 
+def _collect(args) -> int:
+    import torch
+
+    from .training.trajectories import collect_trajectories
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, tokenizer, _ = _load(args)
+    ds = collect_trajectories(model, tokenizer, args.prompts, args.output_dir, block_size=args.block_size,
+                              max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+                              prompt_column=args.prompt_column, max_repeat=args.max_repeat or None, seed=args.seed)
+    blocks = sum(len(t) for t in ds["trajectories"])
+    print(f"{len(ds)} prompts, {blocks} complete blocks of {args.block_size} tokens in {args.output_dir}")
+    return 0
+
+
 def _demo(args) -> int:
     import torch
 
@@ -204,6 +220,22 @@ def main(argv=None) -> int:
     p_sweep.add_argument("--repeats", type=int, default=1)
     p_sweep.add_argument("--output-dir", default="sweep_out")
     p_sweep.set_defaults(func=_sweep)
+
+    p_collect = sub.add_parser("collect", help="Jacobi trajectories of a model on prompts (resumable parquet shards)")
+    p_collect.add_argument("--model", default="default", help="'default' (embedded model) or a checkpoint path / id")
+    p_collect.add_argument("--prompts", required=True, help=".json / .jsonl / .parquet file with a prompt column")
+    p_collect.add_argument("--prompt-column", default="prompt")
+    p_collect.add_argument("--output-dir", required=True)
+    p_collect.add_argument("--block-size", type=int, default=16)
+    p_collect.add_argument("--max-new-tokens", type=int, default=256)
+    p_collect.add_argument("--batch-size", type=int, default=8)
+    p_collect.add_argument("--max-repeat", type=int, default=10,
+                           help="flag responses repeating one token this many times in a row (0: never)")
+    p_collect.add_argument("--seed", type=int, default=0)
+    p_collect.add_argument("--device", default=None)
+    p_collect.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p_collect.add_argument("--threads", type=int, default=None)
+    p_collect.set_defaults(func=_collect)
 
     p_demo = sub.add_parser("demo", help="embedded model: same prompts through AR and every strategy")
     _add_model_args(p_demo)

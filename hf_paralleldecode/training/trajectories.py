@@ -1,0 +1,223 @@
+"""Jacobi trajectory collection: every intermediate Jacobi state of every block, resumably, as parquet shards.
+
+What it does
+    Generates each prompt's greedy response block by block (``block_size`` = n) with the
+    library's Jacobi decoding (KV-cached, batched, lossless) and records, per block, every state
+    the block went through (from its initial guess to its fixed point) and the fixed point. The
+    states are exactly those of cache-free Jacobi iteration (each position's update depends only
+    on the tokens before it), so they are the CLLM / Jacobi Forcing training data.
+
+Output (``output_dir``)
+    * ``shard-XXXXXXXX.parquet``: one row per prompt, columns
+      ``prompt_id`` (int, index in the input), ``prompt`` (str), ``prompt_ids`` (list[int]),
+      ``response_ids`` (list[int], the greedy response up to and including EOS),
+      ``trajectories`` (list over complete blocks of list over states of list[int], each state n
+      tokens, the last one the fixed point), ``fixed_points`` (list[list[int]]),
+      ``degenerate`` (bool: the response repeats one token ``max_repeat`` times in a row).
+      Blocks cut short by EOS or by ``max_new_tokens`` are not recorded (their states are not n long).
+    * ``collection_config.json``: the settings; a restart with different settings is refused.
+    Load with :func:`load_trajectories` (or ``datasets.load_dataset("parquet", data_files=...)``).
+
+Resumable
+    Prompts are processed in chunks; each chunk is written to a temporary file and renamed into
+    place (atomic), so a run killed at any point (SIGKILL included) leaves only complete shards.
+    Rerunning the same command skips the prompts already in shards: every prompt ends up in
+    exactly one shard.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from ..decoding.base import decode
+from ..decoding.jacobi import JacobiProposer
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["collect_trajectories", "load_trajectories", "read_prompts"]
+
+CONFIG_FILE = "collection_config.json"
+
+
+def read_prompts(source, column: str = "prompt") -> list[str]:
+    """Prompts from a ``datasets.Dataset``, a list of strings, or a local .json / .jsonl / .parquet file."""
+    if isinstance(source, (str, os.PathLike)):
+        path = Path(source)
+        if not path.is_file():
+            raise ValueError(f"Prompt file {path} does not exist.")
+        import datasets
+
+        kind = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}.get(path.suffix)
+        if kind is None:
+            raise ValueError(f"Unsupported prompt file {path.name}: use .json, .jsonl or .parquet.")
+        try:
+            source = datasets.load_dataset(kind, data_files=str(path), split="train")
+        except Exception as err:  # malformed file: name it
+            raise ValueError(f"Could not read prompts from {path}: {err}") from None
+    if isinstance(source, list):
+        prompts = source
+    else:
+        if column not in source.column_names:
+            raise ValueError(f"The prompts have no column {column!r} (columns: {source.column_names}).")
+        prompts = source[column]
+    if not prompts:
+        raise ValueError("No prompts to collect trajectories for (the dataset is empty).")
+    bad = [i for i, p in enumerate(prompts) if not isinstance(p, str) or not p]
+    if bad:
+        raise ValueError(f"Prompts must be non-empty strings; rows {bad[:5]} are not.")
+    return list(prompts)
+
+
+class _RecordingJacobi(JacobiProposer):
+    """Jacobi proposer that records each block's states per original row."""
+
+    def __init__(self, run, block_size, seed, sink):
+        super().__init__(run, block_size, "random_context", seed)
+        self.sink = sink  # original row -> list of (states, fixed_point)
+        self.block_start = {int(r): 0 for r in run.rows}
+        self.states = {int(r): [] for r in run.rows}
+
+    def propose(self):
+        log = self.run.log
+        for i, r in enumerate(self.run.rows.tolist()):
+            count, start, left = int(log.count[r]), self.block_start[r], int(self.block_left[i])
+            state = log.tokens[r, start : count - 1].tolist() + self.draft[i, :left].tolist()
+            if len(state) == self.n:  # blocks cut by the token budget are not recorded
+                self.states[r].append(state)
+        return super().propose()
+
+    def update(self, tree, choices, accepted):
+        super().update(tree, choices, accepted)
+        log = self.run.log
+        for r in self.run.rows.tolist():
+            count = int(log.count[r])
+            if count - 1 >= self.block_start[r] + self.n:  # block complete: the bonus starts the next one
+                fixed = log.tokens[r, self.block_start[r] : self.block_start[r] + self.n].tolist()
+                states = self.states[r]
+                if states and states[-1] != fixed:
+                    states.append(fixed)
+                if states:
+                    self.sink[r].append((states, fixed))
+                self.states[r], self.block_start[r] = [], count - 1
+
+
+def _jacobi_recording(sink, block_size, seed):
+    def strategy(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
+                 streamer=None, **model_kwargs):
+        return decode(model, "jacobi", lambda run: _RecordingJacobi(run, block_size, seed, sink), input_ids,
+                      logits_processor, stopping_criteria, generation_config, None, model_kwargs,
+                      dict(block_size=block_size))
+
+    return strategy
+
+
+def _max_run(tokens: list[int]) -> int:
+    best = run = 0
+    prev = None
+    for t in tokens:
+        run = run + 1 if t == prev else 1
+        prev, best = t, max(best, run)
+    return best
+
+
+def collect_trajectories(
+    model,
+    tokenizer,
+    prompts,
+    output_dir: str | os.PathLike,
+    block_size: int = 16,
+    max_new_tokens: int = 256,
+    batch_size: int = 8,
+    prompt_column: str = "prompt",
+    max_repeat: int | None = 10,
+    seed: int = 0,
+    progress: bool = True,
+):
+    """Collect Jacobi trajectories for ``prompts`` into ``output_dir`` (resumable); return the dataset."""
+    from tqdm.auto import tqdm
+
+    for name, value, low in (("block_size", block_size, 2), ("max_new_tokens", max_new_tokens, 1),
+                             ("batch_size", batch_size, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"`{name}` must be an integer >= {low}, got {value!r}.")
+    texts = read_prompts(prompts, prompt_column)
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = dict(block_size=block_size, max_new_tokens=max_new_tokens, seed=seed, num_prompts=len(texts),
+                  model=getattr(model.config, "_name_or_path", "") or type(model).__name__)
+    config_path = out / CONFIG_FILE
+    if config_path.exists():
+        previous = json.loads(config_path.read_text())
+        diff = {k: (previous.get(k), v) for k, v in config.items() if previous.get(k) != v}
+        if diff:
+            raise ValueError(f"{out} holds a collection with other settings {diff} (old, new); use a new output_dir.")
+    else:
+        config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    for tmp in out.glob("*.tmp"):
+        tmp.unlink()  # leftovers of a killed run
+    done = set()
+    for shard in sorted(out.glob("shard-*.parquet")):
+        done.update(_read_ids(shard))
+    todo = [i for i in range(len(texts)) if i not in done]
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    bar = tqdm(total=len(texts), initial=len(done), disable=not progress, desc="trajectories")
+    for start in range(0, len(todo), batch_size):
+        ids = todo[start : start + batch_size]
+        _collect_chunk(model, tokenizer, texts, ids, out, block_size, max_new_tokens, max_repeat, seed)
+        bar.update(len(ids))
+    bar.close()
+    return load_trajectories(out, drop_degenerate=False)
+
+
+def _read_ids(shard: Path) -> list[int]:
+    import pyarrow.parquet as pq
+
+    return pq.read_table(shard, columns=["prompt_id"]).column("prompt_id").to_pylist()
+
+
+def _collect_chunk(model, tokenizer, texts, ids, out, block_size, max_new_tokens, max_repeat, seed):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    enc = tokenizer([texts[i] for i in ids], return_tensors="pt", padding=True).to(model.device)
+    sink: dict[int, list] = {b: [] for b in range(len(ids))}
+    with torch.no_grad():
+        seqs = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
+                              custom_generate=_jacobi_recording(sink, block_size, seed))
+    eos = model.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
+    rows = []
+    for b, pid in enumerate(ids):
+        prompt_ids = enc["input_ids"][b][enc["attention_mask"][b].bool()].tolist()
+        response = seqs[b, enc["input_ids"].shape[1] :].tolist()
+        cut = next((k + 1 for k, t in enumerate(response) if t in eos), len(response))
+        response = response[:cut]
+        blocks = sink[b]
+        rows.append(dict(
+            prompt_id=pid, prompt=texts[pid], prompt_ids=prompt_ids, response_ids=response,
+            trajectories=[states for states, _ in blocks], fixed_points=[fixed for _, fixed in blocks],
+            degenerate=bool(max_repeat) and _max_run(response) >= max_repeat,
+        ))
+    table = pa.Table.from_pylist(rows)
+    final = out / f"shard-{ids[0]:08d}.parquet"
+    tmp = final.with_suffix(".parquet.tmp")
+    pq.write_table(table, tmp)
+    os.replace(tmp, final)
+
+
+def load_trajectories(output_dir: str | os.PathLike, drop_degenerate: bool = True):
+    """The collected trajectories as a ``datasets.Dataset`` sorted by ``prompt_id``."""
+    import datasets
+
+    shards = sorted(str(p) for p in Path(output_dir).glob("shard-*.parquet"))
+    if not shards:
+        raise ValueError(f"No trajectory shards in {output_dir}.")
+    ds = datasets.load_dataset("parquet", data_files=shards, split="train").sort("prompt_id")
+    return ds.filter(lambda row: not row["degenerate"]) if drop_degenerate else ds

@@ -1,0 +1,106 @@
+"""Trajectory collection: exact Jacobi states, dataset schema, resumability (SIGKILL included), bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from models import tiny_model, word_tokenizer
+
+from hf_paralleldecode.training.trajectories import collect_trajectories, load_trajectories
+
+PROMPTS = ["t5 t6 t7", "t9 t10", "t11 t12 t13 t14", "t20 t21", "t30 t31 t32", "t40"]
+
+
+def test_states_are_cache_free_jacobi_iterations_ending_in_greedy_fixed_points(tmp_path):
+    model, tok = tiny_model("llama"), word_tokenizer()
+    ds = collect_trajectories(model, tok, PROMPTS, tmp_path, block_size=4, max_new_tokens=12, batch_size=4,
+                              progress=False)
+    assert ds["prompt_id"] == list(range(len(PROMPTS)))
+    for row in ds:
+        prompt = torch.tensor(row["prompt_ids"])
+        greedy = model.generate(input_ids=prompt[None], max_new_tokens=12, do_sample=False, eos_token_id=None)
+        response = greedy[0, len(prompt):].tolist()
+        assert row["response_ids"] == response[: len(row["response_ids"])]
+        assert [t for block in row["fixed_points"] for t in block] == response[: 4 * len(row["fixed_points"])]
+        prefix = row["prompt_ids"]
+        for states, fixed in zip(row["trajectories"], row["fixed_points"]):
+            assert states[-1] == fixed and all(len(s) == 4 for s in states)
+            for cur, nxt in zip(states, states[1:]):  # each state is the full Jacobi update of the previous one
+                with torch.no_grad():
+                    logits = model(input_ids=torch.tensor([prefix + cur])).logits[0]
+                update = logits[len(prefix) - 1 : len(prefix) + 3].argmax(-1).tolist()
+                assert nxt == update
+            prefix = prefix + fixed
+
+
+def test_schema_filter_and_resume_in_process(tmp_path):
+    model, tok = tiny_model("gpt2"), word_tokenizer()
+    collect_trajectories(model, tok, PROMPTS[:3], tmp_path, block_size=3, max_new_tokens=9, batch_size=2,
+                         max_repeat=2, progress=False)
+    first = sorted(p.name for p in tmp_path.glob("shard-*.parquet"))
+    ds = collect_trajectories(model, tok, PROMPTS[:3], tmp_path, block_size=3, max_new_tokens=9, batch_size=2,
+                              max_repeat=2, progress=False)  # nothing left to do
+    assert sorted(p.name for p in tmp_path.glob("shard-*.parquet")) == first
+    assert set(ds.column_names) >= {"prompt_id", "prompt", "prompt_ids", "response_ids", "trajectories",
+                                    "fixed_points", "degenerate"}
+    kept = load_trajectories(tmp_path)
+    assert len(kept) == sum(not d for d in ds["degenerate"])
+    with pytest.raises(ValueError, match="other settings"):
+        collect_trajectories(model, tok, PROMPTS[:3], tmp_path, block_size=4, max_new_tokens=9, progress=False)
+
+
+@pytest.mark.parametrize(
+    "prompts, match",
+    [([], "empty"), (["ok", ""], "non-empty strings")],
+)
+def test_bad_prompts(tmp_path, prompts, match):
+    with pytest.raises(ValueError, match=match):
+        collect_trajectories(tiny_model("llama"), word_tokenizer(), prompts, tmp_path, progress=False)
+    assert not list(tmp_path.glob("shard-*"))
+
+
+def test_bad_prompt_files(tmp_path):
+    model, tok = tiny_model("llama"), word_tokenizer()
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "t5"}\n{not json\n')
+    with pytest.raises(ValueError, match="Could not read prompts"):
+        collect_trajectories(model, tok, bad, tmp_path / "o1", progress=False)
+    other = tmp_path / "other.jsonl"
+    other.write_text('{"text": "t5"}\n')
+    with pytest.raises(ValueError, match="no column 'prompt'"):
+        collect_trajectories(model, tok, other, tmp_path / "o2", progress=False)
+    with pytest.raises(ValueError, match="block_size"):
+        collect_trajectories(model, tok, PROMPTS, tmp_path / "o3", block_size=1, progress=False)
+
+
+@pytest.mark.slow
+def test_sigkill_then_rerun_collects_every_prompt_exactly_once(tmp_path):
+    model = tiny_model("llama")
+    model.save_pretrained(tmp_path / "model")
+    word_tokenizer().save_pretrained(tmp_path / "model")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"t{5 + i % 80} t{6 + i % 80}"}) + "\n" for i in range(40)))
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "hf_paralleldecode.cli", "collect", "--model", str(tmp_path / "model"),
+           "--prompts", str(prompts), "--output-dir", str(out), "--block-size", "4", "--max-new-tokens", "24",
+           "--batch-size", "2", "--threads", "1"]
+    env = dict(os.environ, TQDM_DISABLE="1")
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline and len(list(out.glob("shard-*.parquet"))) < 3:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    partial = len(list(out.glob("shard-*.parquet")))
+    assert 0 < partial < 20, "the kill should land mid-collection"
+    subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ds = load_trajectories(out, drop_degenerate=False)
+    assert sorted(ds["prompt_id"]) == list(range(40))  # every prompt exactly once
+    assert not list(out.glob("*.tmp"))
