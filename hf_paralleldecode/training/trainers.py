@@ -1,0 +1,167 @@
+"""Trainers in trl style: a config (``TrainingArguments`` subclass, help on every field) and a trainer
+that overrides ``compute_loss`` only, per method.
+
+* :class:`ConsistencyConfig` / :class:`ConsistencyTrainer`: CLLM, global or local consistency +
+  ``ar_weight`` x AR loss, data from :class:`~hf_paralleldecode.training.collators.ConsistencyCollator`.
+* :class:`ProgressiveConsistencyConfig` / :class:`ProgressiveConsistencyTrainer`: Jacobi Forcing,
+  ``L_pc + ar_weight * L_AR`` from ONE forward over packed noisy/clean blocks.
+
+Saving writes the model, a ``ParallelDecodingConfig`` with the matching decoding settings (so
+:func:`hf_paralleldecode.load_model` decodes the checkpoint with the right strategy out of the box)
+and a model card naming the base model, the method and its citation.
+
+Loss scaling: each term is a mean over its own counted positions within the batch
+(``loss_is_scaled_for_ga = False``: the Trainer divides by the accumulation steps).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers import Trainer, TrainingArguments
+
+from ..config import ParallelDecodingConfig
+from .collators import ConsistencyCollator, ProgressiveCollator
+from .losses import DISTANCES, ar_loss, consistency_loss, progressive_consistency_loss
+from .packing import MASKS, SCHEDULES
+
+__all__ = ["ConsistencyConfig", "ConsistencyTrainer", "ProgressiveConsistencyConfig", "ProgressiveConsistencyTrainer"]
+
+CITATIONS = {
+    "cllm": "Kou et al., CLLMs: Consistency Large Language Models, ICML 2024 (arXiv:2403.00835)",
+    "jacobi_forcing": "Hu et al., Fast and Accurate Causal Parallel Decoding using Jacobi Forcing (hao-ai-lab, 2025)",
+}
+
+
+@dataclass
+class _ParallelDecodingTrainingArguments(TrainingArguments):
+    block_size: int = field(default=16, metadata={"help": "Jacobi block size n; must match the collected trajectories."})
+    distance: str = field(default="forward_kl", metadata={"help": f"Consistency distance, one of {DISTANCES}."})
+    beta: float = field(default=0.5, metadata={"help": "Mixing weight of the generalised JSD (distance='jsd'), in (0, 1)."})
+    ar_weight: float = field(default=1.0, metadata={"help": "Weight (lambda / w) of the AR loss on the greedy response."})
+    base_model_name_or_path: str | None = field(default=None, metadata={"help": "Provenance, written to the model card."})
+    remove_unused_columns: bool = field(default=False, metadata={"help": "Keep trajectory columns for the collator."})
+
+    def __post_init__(self):
+        super().__post_init__()
+        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 2:
+            raise ValueError(f"block_size must be an integer >= 2, got {self.block_size!r}.")
+        if self.distance not in DISTANCES:
+            raise ValueError(f"distance must be one of {DISTANCES}, got {self.distance!r}.")
+        if not 0.0 < self.beta < 1.0:
+            raise ValueError(f"beta must be in (0, 1), got {self.beta}.")
+        if self.ar_weight < 0:
+            raise ValueError(f"ar_weight must be >= 0, got {self.ar_weight}.")
+        if self.remove_unused_columns:
+            raise ValueError("remove_unused_columns must stay False: the collator needs the trajectory columns.")
+
+
+@dataclass
+class ConsistencyConfig(_ParallelDecodingTrainingArguments):
+    consistency: str = field(default="global", metadata={"help": "CLLM consistency: 'global' (to the fixed point) or 'local' (to the next state)."})
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.consistency not in ("global", "local"):
+            raise ValueError(f"consistency must be 'global' or 'local', got {self.consistency!r}.")
+
+
+@dataclass
+class ProgressiveConsistencyConfig(_ParallelDecodingTrainingArguments):
+    noise_schedule: str = field(default="linear", metadata={"help": f"Noise schedule across blocks, one of {SCHEDULES}."})
+    noise_window: int = field(default=4, metadata={"help": "Window w of the schedule: t_i = W[i mod w]."})
+    mask: str = field(default="noise_conditioned", metadata={"help": f"Attention mask variant, one of {MASKS}."})
+    num_blocks: int = field(default=2, metadata={"help": "Decoding setting saved with the model: K blocks in flight."})
+    pool_size: int = field(default=4, metadata={"help": "Decoding setting saved with the model: recycled candidates."})
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.noise_schedule not in SCHEDULES:
+            raise ValueError(f"noise_schedule must be one of {SCHEDULES}, got {self.noise_schedule!r}.")
+        if self.noise_window < 1:
+            raise ValueError(f"noise_window must be >= 1, got {self.noise_window}.")
+        if self.mask not in MASKS:
+            raise ValueError(f"mask must be one of {MASKS}, got {self.mask!r}.")
+
+
+class _ParallelDecodingTrainer(Trainer):
+    loss_is_scaled_for_ga = False
+    method: str = ""
+
+    def _decoding_config(self) -> ParallelDecodingConfig:  # pragma: no cover - per subclass
+        raise NotImplementedError
+
+    def _save(self, output_dir=None, state_dict=None):
+        super()._save(output_dir, state_dict)
+        output_dir = output_dir or self.args.output_dir
+        if self.args.should_save:
+            config = self._decoding_config()
+            config.base_model_name_or_path = self.args.base_model_name_or_path
+            config.save_pretrained(output_dir)
+            self._write_card(output_dir, config)
+
+    def _write_card(self, output_dir, config):
+        from pathlib import Path
+
+        card = (f"---\nlibrary_name: hf_paralleldecode\ntags:\n- hf_paralleldecode\n- {self.method}\n---\n\n"
+                f"# {self.method} model\n\nBase model: `{self.args.base_model_name_or_path}`\n\n"
+                f"Trained with hf_paralleldecode's `{type(self).__name__}`; decode with\n\n"
+                f"```python\nimport hf_paralleldecode as hfpd\nmodel = hfpd.load_model(path)  # "
+                f"decoding={config.decoding!r}, {config.settings}\n```\n\nCitation: {CITATIONS[self.method]}\n")
+        Path(output_dir, "README.md").write_text(card)
+
+
+class ConsistencyTrainer(_ParallelDecodingTrainer):
+    method = "cllm"
+
+    def __init__(self, *args, data_collator=None, **kwargs):
+        args_ = kwargs.get("args") or (args[1] if len(args) > 1 else None)
+        if data_collator is None and args_ is not None:
+            data_collator = ConsistencyCollator(args_.block_size, args_.consistency, seed=args_.seed)
+        super().__init__(*args, data_collator=data_collator, **kwargs)
+
+    def _decoding_config(self):
+        return ParallelDecodingConfig("jacobi", {"block_size": self.args.block_size})
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        n = self.args.block_size
+        idx = inputs["block_start"][:, None] + torch.arange(n, device=inputs["block_start"].device)  # [batch, n]
+        student = model(input_ids=inputs["student_ids"]).logits
+        student = student.gather(1, idx[..., None].expand(-1, -1, student.shape[-1]))
+        clean = model(input_ids=inputs["clean_ids"], attention_mask=inputs["clean_attention_mask"]).logits
+        if self.args.consistency == "global":
+            # the teacher sequence prefix + y* is a prefix of the clean sequence: reuse those logits
+            teacher = clean.detach().gather(1, idx[..., None].expand(-1, -1, clean.shape[-1]))
+        else:
+            with torch.no_grad():
+                teacher_all = model(input_ids=inputs["teacher_ids"]).logits
+            teacher = teacher_all.gather(1, idx[..., None].expand(-1, -1, teacher_all.shape[-1]))
+        loss_c = consistency_loss(student, teacher, inputs["block_mask"], self.args.distance, self.args.beta)
+        loss_ar = ar_loss(clean[:, :-1], inputs["labels"][:, 1:])
+        loss = loss_c + self.args.ar_weight * loss_ar
+        return (loss, {"consistency_loss": loss_c, "ar_loss": loss_ar}) if return_outputs else loss
+
+
+class ProgressiveConsistencyTrainer(_ParallelDecodingTrainer):
+    method = "jacobi_forcing"
+
+    def __init__(self, *args, data_collator=None, **kwargs):
+        a = kwargs.get("args") or (args[1] if len(args) > 1 else None)
+        if data_collator is None and a is not None:
+            data_collator = ProgressiveCollator(a.block_size, a.noise_schedule, a.noise_window, a.mask, seed=a.seed)
+        super().__init__(*args, data_collator=data_collator, **kwargs)
+
+    def _decoding_config(self):
+        a = self.args
+        return ParallelDecodingConfig("jacobi_forcing", {"block_size": a.block_size, "num_blocks": a.num_blocks,
+                                                         "pool_size": a.pool_size})
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        mask = inputs["attention_mask"].to(dtype=next(model.parameters()).dtype)
+        logits = model(input_ids=inputs["input_ids"], position_ids=inputs["position_ids"], attention_mask=mask).logits
+        loss_pc = progressive_consistency_loss(logits, inputs["noisy_index"], inputs["clean_index"],
+                                               inputs["pair_mask"], self.args.distance, self.args.beta)
+        loss_ar = ar_loss(logits, inputs["labels"])
+        loss = loss_pc + self.args.ar_weight * loss_ar
+        return (loss, {"pc_loss": loss_pc, "ar_loss": loss_ar}) if return_outputs else loss

@@ -1,0 +1,94 @@
+"""Consistency (CLLM) and progressive consistency (Jacobi Forcing) trainers on a tiny model, on CPU."""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import pytest
+import torch
+from models import tiny_model, word_tokenizer
+
+import hf_paralleldecode as hfpd
+from hf_paralleldecode.training.collators import ConsistencyCollator, ProgressiveCollator
+from hf_paralleldecode.training.trainers import (
+    ConsistencyConfig,
+    ConsistencyTrainer,
+    ProgressiveConsistencyConfig,
+    ProgressiveConsistencyTrainer,
+)
+from hf_paralleldecode.training.trajectories import collect_trajectories
+
+PROMPTS = [f"t{5 + i} t{6 + i} t{7 + i}" for i in range(8)]
+
+
+@functools.cache
+def trajectories(tmp_root: str):
+    return collect_trajectories(tiny_model("llama"), word_tokenizer(), PROMPTS, tmp_root, block_size=4,
+                                max_new_tokens=16, batch_size=8, progress=False)
+
+
+def _args(cls, tmp_path, **kw):
+    return cls(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, max_steps=kw.pop("max_steps", 30),
+               learning_rate=kw.pop("learning_rate", 3e-3), logging_steps=5, save_strategy="no", report_to=[],
+               use_cpu=True, block_size=4, base_model_name_or_path="tiny-llama", disable_tqdm=True, **kw)
+
+
+@pytest.mark.parametrize("trainer_cls, config_cls, extra, decoding", [
+    (ProgressiveConsistencyTrainer, ProgressiveConsistencyConfig, {}, "jacobi_forcing"),
+    (ProgressiveConsistencyTrainer, ProgressiveConsistencyConfig, {"mask": "cllm", "noise_schedule": "random"},
+     "jacobi_forcing"),
+    (ConsistencyTrainer, ConsistencyConfig, {}, "jacobi"),
+    (ConsistencyTrainer, ConsistencyConfig, {"consistency": "local", "distance": "jsd"}, "jacobi"),
+])
+def test_training_lowers_the_loss_and_saves_a_decodable_checkpoint(tmp_path, trainer_cls, config_cls, extra, decoding):
+    ds = trajectories(str(tmp_path.parent / "traj"))
+    model = tiny_model("llama")
+    args = _args(config_cls, tmp_path, **extra)
+    trainer = trainer_cls(model=model, args=args, train_dataset=ds)
+    batch = trainer.data_collator([ds[i] for i in range(4)])
+    with torch.no_grad():
+        before = float(trainer.compute_loss(model, batch))
+    trainer.train()
+    with torch.no_grad():
+        after = float(trainer.compute_loss(model, batch))
+    assert torch.isfinite(torch.tensor(before)) and after < before
+    out = tmp_path / "saved"
+    trainer.save_model(str(out))
+    config = json.loads((out / "parallel_decoding_config.json").read_text())
+    assert config["decoding"] == decoding and config["settings"]["block_size"] == 4
+    assert config["base_model_name_or_path"] == "tiny-llama"
+    assert "Citation" in (out / "README.md").read_text()
+    loaded = hfpd.load_model(out)
+    ids = torch.tensor([[5, 6, 7]])
+    res = loaded.generate(input_ids=ids, max_new_tokens=12, return_dict_in_generate=True)
+    assert res.decoding == decoding
+    assert torch.equal(res.sequences, loaded.generate(input_ids=ids, max_new_tokens=12, decoding="stock",
+                                                      do_sample=False))
+
+
+@pytest.mark.parametrize("cls, kwargs, match", [
+    (ConsistencyConfig, dict(consistency="both"), "consistency"),
+    (ConsistencyConfig, dict(distance="l2"), "distance"),
+    (ConsistencyConfig, dict(beta=1.0), "beta"),
+    (ConsistencyConfig, dict(block_size=1), "block_size"),
+    (ProgressiveConsistencyConfig, dict(noise_schedule="cosine"), "noise_schedule"),
+    (ProgressiveConsistencyConfig, dict(mask="full"), "mask"),
+    (ProgressiveConsistencyConfig, dict(ar_weight=-1.0), "ar_weight"),
+])
+def test_config_validation(tmp_path, cls, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        cls(output_dir=str(tmp_path), use_cpu=True, report_to=[], **kwargs)
+
+
+def test_collators_name_data_problems(tmp_path):
+    ds = trajectories(str(tmp_path.parent / "traj"))
+    row = dict(ds[0])
+    with pytest.raises(ValueError, match="block size 4 but the config says block_size=8"):
+        ProgressiveCollator(8)([row])
+    broken = {k: v for k, v in row.items() if k != "fixed_points"}
+    with pytest.raises(ValueError, match="missing \\['fixed_points'\\]"):
+        ConsistencyCollator(4)([broken])
+    empty = dict(row, trajectories=[], fixed_points=[])
+    with pytest.raises(ValueError, match="no complete block"):
+        ProgressiveCollator(4)([empty])
