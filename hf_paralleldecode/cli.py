@@ -195,9 +195,19 @@ def _demo(args) -> int:
 
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["train"]:  # recipe + HfArgumentParser overrides: parsed by the training CLI
+        from .training.cli import train_main
+
+        try:
+            return train_main(argv[1:])
+        except ValueError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
     parser = argparse.ArgumentParser(prog="hf-paralleldecode", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("train", help="train with a recipe: train --config RECIPE.yaml [--key value ...]")
     p_env = sub.add_parser("env", help="print versions for bug reports")
     p_env.set_defaults(func=_env)
 

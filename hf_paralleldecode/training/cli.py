@@ -1,0 +1,81 @@
+"""``hf-paralleldecode train --config RECIPE.yaml [--key value ...]``: one entry point for every recipe.
+
+A recipe is a YAML mapping: ``method`` (``cllm`` or ``jacobi_forcing``), ``model_name_or_path``,
+``trajectories`` (a directory written by ``hf-paralleldecode collect``) and any field of the
+method's config class (``ConsistencyConfig`` / ``ProgressiveConsistencyConfig``, i.e. every
+``TrainingArguments`` field plus the method's own). Command-line ``--key value`` pairs override
+the file (``HfArgumentParser`` rules). Runs under ``accelerate launch`` as is.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = ["ScriptArguments", "train_main"]
+
+METHODS = {"cllm": ("ConsistencyConfig", "ConsistencyTrainer"),
+           "jacobi_forcing": ("ProgressiveConsistencyConfig", "ProgressiveConsistencyTrainer")}
+
+
+@dataclass
+class ScriptArguments:
+    method: str = field(metadata={"help": f"Training method, one of {sorted(METHODS)}."})
+    model_name_or_path: str = field(metadata={"help": "Base model: 'default' (embedded demo model), a path or Hub id."})
+    trajectories: str = field(metadata={"help": "Directory of trajectories written by `hf-paralleldecode collect`."})
+    drop_degenerate: bool = field(default=True, metadata={"help": "Skip responses flagged as repetitive."})
+    attn_implementation: str = field(default="sdpa", metadata={"help": "Attention implementation (4D masks: sdpa or eager)."})
+
+
+def _to_argv(mapping: dict) -> list[str]:
+    argv = []
+    for key, value in mapping.items():
+        if isinstance(value, (list, tuple)):
+            argv += [f"--{key}", *map(str, value)]
+        elif isinstance(value, dict):
+            argv += [f"--{key}", json.dumps(value)]
+        else:
+            argv += [f"--{key}", str(value)]
+    return argv
+
+
+def train_main(argv: list[str]) -> int:
+    import yaml
+    from transformers import AutoModelForCausalLM, HfArgumentParser
+
+    from .. import training
+    from ..loading import default_model_path
+    from .trajectories import load_trajectories
+
+    if len(argv) < 2 or argv[0] != "--config":
+        raise ValueError("usage: hf-paralleldecode train --config RECIPE.yaml [--key value ...]")
+    recipe_path = Path(argv[1])
+    if not recipe_path.is_file():
+        raise ValueError(f"Recipe {recipe_path} does not exist.")
+    recipe = yaml.safe_load(recipe_path.read_text()) or {}
+    if not isinstance(recipe, dict):
+        raise ValueError(f"Recipe {recipe_path} must be a YAML mapping.")
+    method = recipe.get("method")
+    if method not in METHODS:
+        raise ValueError(f"Recipe `method` must be one of {sorted(METHODS)}, got {method!r}.")
+    config_cls = getattr(training, METHODS[method][0])
+    trainer_cls = getattr(training, METHODS[method][1])
+    parser = HfArgumentParser((ScriptArguments, config_cls))
+    script, args = parser.parse_args_into_dataclasses(args=_to_argv(recipe) + list(argv[2:]))
+    model_path = default_model_path() if script.model_name_or_path == "default" else script.model_name_or_path
+    if args.base_model_name_or_path is None:
+        args.base_model_name_or_path = str(script.model_name_or_path)
+    model = AutoModelForCausalLM.from_pretrained(model_path, attn_implementation=script.attn_implementation,
+                                                 use_safetensors=True)
+    dataset = load_trajectories(script.trajectories, drop_degenerate=script.drop_degenerate)
+    if len(dataset) == 0:
+        raise ValueError(f"No usable trajectories in {script.trajectories}.")
+    trainer = trainer_cls(model=model, args=args, train_dataset=dataset)
+    trainer.train()
+    trainer.save_model(args.output_dir)
+    if trainer.is_world_process_zero():
+        info = dict(method=method, world_size=args.world_size, steps=trainer.state.global_step,
+                    train_loss=trainer.state.log_history[-1].get("train_loss"))
+        Path(args.output_dir, "train_info.json").write_text(json.dumps(info, indent=2) + "\n")
+    return 0

@@ -1,0 +1,85 @@
+"""`hf-paralleldecode train --config RECIPE.yaml`: in-process, under accelerate with 2 processes, bad recipes."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from models import tiny_model, word_tokenizer
+
+import hf_paralleldecode as hfpd
+from hf_paralleldecode import cli
+from hf_paralleldecode.training.trajectories import collect_trajectories
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train_cli")
+    model = tiny_model("llama")
+    model.save_pretrained(root / "model")
+    word_tokenizer().save_pretrained(root / "model")
+    collect_trajectories(model, word_tokenizer(), [f"t{5 + i} t{6 + i}" for i in range(8)], root / "traj",
+                         block_size=4, max_new_tokens=12, batch_size=8, progress=False)
+    return root
+
+
+def _recipe(root: Path, method: str, out: Path) -> Path:
+    recipe = dict(method=method, model_name_or_path=str(root / "model"), trajectories=str(root / "traj"),
+                  output_dir=str(out), block_size=4, per_device_train_batch_size=2, max_steps=4, learning_rate=1e-3,
+                  logging_steps=1, save_strategy="no", use_cpu=True, report_to="none", seed=0)
+    path = out.parent / f"{method}.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+@pytest.mark.parametrize("method, decoding", [("jacobi_forcing", "jacobi_forcing"), ("cllm", "jacobi")])
+def test_train_cli_in_process_with_override(setup, tmp_path, method, decoding):
+    out = tmp_path / "out"
+    assert cli.main(["train", "--config", str(_recipe(setup, method, out)), "--max_steps", "3"]) == 0
+    info = json.loads((out / "train_info.json").read_text())
+    assert info["world_size"] == 1 and info["steps"] == 3  # the command-line override won
+    model = hfpd.load_model(out)
+    ids = torch.tensor([[5, 6, 7]])
+    res = model.generate(input_ids=ids, max_new_tokens=10, return_dict_in_generate=True)
+    assert res.decoding == decoding
+    assert torch.equal(res.sequences, model.generate(input_ids=ids, max_new_tokens=10, decoding="stock"))
+
+
+def test_bad_recipes(tmp_path, capsys):
+    assert cli.main(["train", "--config", str(tmp_path / "missing.yaml")]) == 2
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("method: diffusion\n")
+    assert cli.main(["train", "--config", str(bad)]) == 2
+    assert "method" in capsys.readouterr().err
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_processes_under_accelerate_launch(setup, tmp_path):
+    """`accelerate launch --multi_gpu --num_processes 2` on a CPU machine runs 2 processes (gloo)."""
+    out = tmp_path / "out"
+    recipe = _recipe(setup, "jacobi_forcing", out)
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+           "--main_process_port", str(_free_port()), "-m", "hf_paralleldecode.cli", "train", "--config", str(recipe)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", TQDM_DISABLE="1", ACCELERATE_USE_CPU="true")
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    info = json.loads((out / "train_info.json").read_text())
+    assert info["world_size"] == 2
+    model = hfpd.load_model(out)
+    ids = torch.tensor([[5, 6, 7]])
+    assert torch.equal(model.generate(input_ids=ids, max_new_tokens=10, do_sample=False),
+                       model.generate(input_ids=ids, max_new_tokens=10, decoding="stock", do_sample=False))
