@@ -25,20 +25,26 @@ def main(argv=None):
     p.add_argument("--out", default="hf_paralleldecode/assets/prompts/stdlib_test.jsonl")
     p.add_argument("--num_prompts", type=int, default=32)
     p.add_argument("--context_lines", type=int, default=12)
+    p.add_argument("--split", choices=["test", "train"], default="test",
+                   help="test: the held-out test/ package (benchmarks); train: the training files (trajectories)")
+    p.add_argument("--per_file", type=int, default=1, help="function openings taken per file")
     args = p.parse_args(argv)
-    files = [f for f in stdlib_files(held_out=True) if f.stat().st_size > 2000]
-    step = max(len(files) // args.num_prompts, 1)
+    files = [f for f in stdlib_files(held_out=args.split == "test") if f.stat().st_size > 2000]
+    step = max(len(files) * args.per_file // args.num_prompts, 1)
     prompts = []
     for f in files[::step]:
         lines = read_text(f).splitlines()
+        taken = 0
         for i, line in enumerate(lines[args.context_lines :], start=args.context_lines):
             m = DEF.match(line)
             if m and len(line) < 100:
                 body_indent = m.group(1) + "    "
                 text = "\n".join(lines[i - args.context_lines : i + 1]) + "\n" + body_indent
-                prompts.append({"prompt": text, "source": f"test/{f.name}:{i + 1}"})
-                break
-        if len(prompts) == args.num_prompts:
+                prompts.append({"prompt": text, "source": f"{args.split}:{f.name}:{i + 1}"})
+                taken += 1
+                if taken == args.per_file:
+                    break
+        if len(prompts) >= args.num_prompts:
             break
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
