@@ -25,6 +25,7 @@ _LAZY = {
     "load_model": "loading",
     "default_model_path": "loading",
     "load_default_model": "loading",
+    "load_tokenizer": "loading",
 }
 
 __all__ = [
@@ -41,6 +42,7 @@ __all__ = [
     "jacobi_forcing",
     "load_default_model",
     "load_model",
+    "load_tokenizer",
     "lookahead",
     "register_decoding",
 ]
@@ -76,5 +78,5 @@ if TYPE_CHECKING:  # pragma: no cover
     from .decoding.jacobi_forcing import jacobi_forcing
     from .decoding.lookahead import lookahead
     from .integration import ParallelDecodingMixin, enable, is_enabled
-    from .loading import default_model_path, load_default_model, load_model
+    from .loading import default_model_path, load_default_model, load_model, load_tokenizer
     from .registry import available_decodings, get_decoding, register_decoding

@@ -45,20 +45,18 @@ def _load(args):
     import torch
 
     from .bench import random_model
-    from .loading import default_model_path, load_model
+    from .loading import default_model_path, load_model, load_tokenizer
 
     dtype = getattr(torch, args.dtype)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    from transformers import AutoTokenizer
-
     if args.model.startswith("random-"):
-        tokenizer = AutoTokenizer.from_pretrained(default_model_path())
+        tokenizer = load_tokenizer(default_model_path())
         model = random_model(args.model, vocab_size=len(tokenizer))
         name = args.model
     else:
         path = default_model_path() if args.model == "default" else args.model
         model = load_model(path)
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = load_tokenizer(path)
         name = "stdlib-coder-8m (embedded)" if args.model == "default" else str(args.model)
     model = model.to(device=device, dtype=dtype).eval()
     return model, tokenizer, name

@@ -12,7 +12,7 @@ from pathlib import Path
 from .config import CONFIG_NAME, ParallelDecodingConfig
 from .integration import enable
 
-__all__ = ["load_model", "default_model_path", "load_default_model", "DEFAULT_MODEL_NAME"]
+__all__ = ["load_model", "load_tokenizer", "default_model_path", "load_default_model", "DEFAULT_MODEL_NAME"]
 
 DEFAULT_MODEL_NAME = "stdlib-coder-8m"
 
@@ -66,14 +66,32 @@ def load_model(
     return model.eval()
 
 
+def load_tokenizer(path, **kwargs):
+    """The checkpoint's tokenizer; a generic ``tokenizer.json`` pipeline is loaded exactly as written.
+
+    ``AutoTokenizer`` in transformers 5.x replaces the tokenizer of any ``qwen2`` checkpoint with
+    ``Qwen2Tokenizer`` (its own pre-tokenizer), which splits text differently from the byte-level
+    BPE the embedded model was trained with. A checkpoint whose ``tokenizer_config.json`` declares
+    the generic backend (``TokenizersBackend`` / ``PreTrainedTokenizerFast``) is therefore loaded
+    with ``PreTrainedTokenizerFast``; anything else goes through ``AutoTokenizer``.
+    """
+    import json
+
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    config = Path(path) / "tokenizer_config.json"
+    declared = json.loads(config.read_text()).get("tokenizer_class") if config.is_file() else None
+    if declared in ("TokenizersBackend", "PreTrainedTokenizerFast"):
+        return PreTrainedTokenizerFast.from_pretrained(path, **kwargs)
+    return AutoTokenizer.from_pretrained(path, **kwargs)
+
+
 def load_default_model(**kwargs):
     """The embedded demo model and its tokenizer: ``(model, tokenizer)``."""
-    from transformers import AutoTokenizer
-
     path = default_model_path()
     if not (path / "model.safetensors").is_file():
         raise FileNotFoundError(
             f"The embedded demo model is missing at {path}; reinstall hf_paralleldecode or rebuild it with "
             "`python recipes/demo_model/train_demo_model.py` (see its docstring)."
         )
-    return load_model(path, **kwargs), AutoTokenizer.from_pretrained(path)
+    return load_model(path, **kwargs), load_tokenizer(path)

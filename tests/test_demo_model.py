@@ -48,3 +48,16 @@ def test_jacobi_on_demo_model_equals_greedy_over_shipped_prompts(block_size):
     out = model.generate(**kwargs, decoding="jacobi", block_size=block_size, return_dict_in_generate=True)
     assert torch.equal(out.sequences, ref)
     assert out.tokens_per_forward >= 1.0
+
+
+def test_shipped_tokenizer_loader_reproduces_the_training_tokenization():
+    """AutoTokenizer swaps in Qwen2Tokenizer for qwen2 checkpoints (it pre-tokenizes differently); the
+    library's loader must give the ids of the byte-level BPE the model was trained with."""
+    from tokenizers import Tokenizer
+
+    path = hfpd.default_model_path()
+    raw = Tokenizer.from_file(str(path / "tokenizer.json"))
+    auto = hfpd.load_tokenizer(path)
+    text = "    def __init__(self, x):\n        return  x + 1\n\tcaf\u00e9 = {'a': [1, 2]}  # \u00fc\n"
+    assert auto(text, add_special_tokens=False)["input_ids"] == raw.encode(text, add_special_tokens=False).ids
+    assert auto.decode(auto(text)["input_ids"]) == text

@@ -45,6 +45,7 @@ def test_train_cli_in_process_with_override(setup, tmp_path, method, decoding):
     assert cli.main(["train", "--config", str(_recipe(setup, method, out)), "--max_steps", "3"]) == 0
     info = json.loads((out / "train_info.json").read_text())
     assert info["world_size"] == 1 and info["steps"] == 3  # the command-line override won
+    assert (out / "tokenizer.json").is_file()  # the checkpoint is self-contained
     model = hfpd.load_model(out)
     ids = torch.tensor([[5, 6, 7]])
     res = model.generate(input_ids=ids, max_new_tokens=10, return_dict_in_generate=True)

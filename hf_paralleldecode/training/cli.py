@@ -45,7 +45,7 @@ def train_main(argv: list[str]) -> int:
     from transformers import AutoModelForCausalLM, HfArgumentParser
 
     from .. import training
-    from ..loading import default_model_path
+    from ..loading import default_model_path, load_tokenizer
     from .trajectories import load_trajectories
 
     if len(argv) < 2 or argv[0] != "--config":
@@ -71,7 +71,8 @@ def train_main(argv: list[str]) -> int:
     dataset = load_trajectories(script.trajectories, drop_degenerate=script.drop_degenerate)
     if len(dataset) == 0:
         raise ValueError(f"No usable trajectories in {script.trajectories}.")
-    trainer = trainer_cls(model=model, args=args, train_dataset=dataset)
+    tokenizer = load_tokenizer(model_path)  # saved with the checkpoint
+    trainer = trainer_cls(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
     trainer.train()
     trainer.save_model(args.output_dir)
     if trainer.is_world_process_zero():
