@@ -42,7 +42,11 @@ def _env(_args) -> int:
 
 
 def _load(args):
+    """Apply ``--threads``, then load the model (and its tokenizer) named by ``--model``."""
     import torch
+
+    if getattr(args, "threads", None):
+        torch.set_num_threads(args.threads)
 
     from .bench import random_model
     from .loading import default_model_path, load_model, load_tokenizer
@@ -86,12 +90,9 @@ def _prompts(args, default_count):
 
 
 def _bench(args) -> int:
-    import torch
 
     from .bench import format_report, parse_strategy, run_benchmark
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     strategies = [parse_strategy(s) for s in args.strategies]
     model, tokenizer, name = _load(args)
     report = run_benchmark(
@@ -110,12 +111,8 @@ def _sweep(args) -> int:
     import json as _json
     from pathlib import Path
 
-    import torch
-
     from .bench import format_report, grid_strategies, parse_strategy, plot_sweep, run_benchmark
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     grid = {}
     for item in args.grid:
         key, eq, values = item.partition("=")
@@ -143,12 +140,9 @@ def _sweep(args) -> int:
 
 
 def _collect(args) -> int:
-    import torch
 
     from .training.trajectories import collect_trajectories
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     model, tokenizer, _ = _load(args)
     ds = collect_trajectories(model, tokenizer, args.prompts, args.output_dir, block_size=args.block_size,
                               max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
@@ -159,13 +153,10 @@ def _collect(args) -> int:
 
 
 def _demo(args) -> int:
-    import torch
 
     from .bench import StrategySpec, format_report, run_benchmark
     from .registry import available_decodings
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     model, tokenizer, name = _load(args)
     prompts = _prompts(args, 4)
     demo_settings = {"jacobi": {"block_size": 16}}

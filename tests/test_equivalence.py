@@ -39,3 +39,15 @@ def test_matches_stock_greedy(arch, batch, decoding, setting, max_new_tokens):
     out = enabled(arch).generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
                                  do_sample=False, decoding=decoding, **SETTINGS[decoding][setting])
     torch.testing.assert_close(out, reference(arch, batch, max_new_tokens), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("decoding, settings", [("jacobi", dict(block_size=8)), ("lookahead", {}),
+                                                ("jacobi_forcing", dict(block_size=8, activation_ratio=0.3))])
+def test_eos_and_processors_inside_accepted_tokens(decoding, settings):
+    model = enabled("qwen2")
+    ids, mask = prompts(3)
+    ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=40, do_sample=False, eos_token_id=None)
+    eos = int(ref[0, ids.shape[1] + 12])
+    for extra in (dict(eos_token_id=eos), dict(eos_token_id=eos, repetition_penalty=1.2), dict(no_repeat_ngram_size=3)):
+        kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=40, do_sample=False, **extra)
+        assert torch.equal(model.generate(**kwargs, decoding=decoding, **settings), model.generate(**kwargs))

@@ -31,17 +31,6 @@ def test_pseudo_blocks_are_activated_and_recycled_ngrams_win_across_blocks():
     assert out.tokens_per_forward > plain.tokens_per_forward
 
 
-def test_eos_inside_accepted_ngrams_and_processors():
-    model = enabled("qwen2")
-    ids, mask = prompts(3)
-    ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=40, do_sample=False, eos_token_id=None)
-    eos = int(ref[0, ids.shape[1] + 12])
-    for extra in (dict(eos_token_id=eos), dict(eos_token_id=eos, repetition_penalty=1.2), dict(no_repeat_ngram_size=3)):
-        kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=40, do_sample=False, **extra)
-        out = model.generate(**kwargs, decoding="jacobi_forcing", block_size=8, activation_ratio=0.3)
-        assert torch.equal(out, model.generate(**kwargs))
-
-
 def test_device_presets_and_stats():
     from hf_paralleldecode.decoding.jacobi_forcing import CPU_DEFAULTS
 

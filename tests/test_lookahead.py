@@ -20,16 +20,6 @@ def test_repetitive_text_is_found_in_the_pool():
     assert out.tokens_per_forward > 1.5
 
 
-def test_eos_and_processors_inside_accepted_ngrams():
-    model = enabled("qwen2")
-    ids, mask = prompts(3)
-    ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=30, do_sample=False, eos_token_id=None)
-    eos = int(ref[0, ids.shape[1] + 9])
-    for extra in (dict(eos_token_id=eos), dict(eos_token_id=eos, repetition_penalty=1.2), dict(no_repeat_ngram_size=3)):
-        kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=30, do_sample=False, **extra)
-        assert torch.equal(model.generate(**kwargs, decoding="lookahead"), model.generate(**kwargs))
-
-
 def test_streamer_and_stats():
     model = enabled("llama")
     ids, _ = prompts(1)
