@@ -29,6 +29,8 @@ def test_states_are_cache_free_jacobi_iterations_ending_in_greedy_fixed_points(t
         response = greedy[0, len(prompt):].tolist()
         assert row["response_ids"] == response[: len(row["response_ids"])]
         assert [t for block in row["fixed_points"] for t in block] == response[: 4 * len(row["fixed_points"])]
+        # every complete block is recorded, the last one too (12 is a multiple of the block size)
+        assert len(row["fixed_points"]) == len(row["response_ids"]) // 4
         prefix = row["prompt_ids"]
         for states, fixed in zip(row["trajectories"], row["fixed_points"]):
             assert states[-1] == fixed and all(len(s) == 4 for s in states)
@@ -104,3 +106,15 @@ def test_sigkill_then_rerun_collects_every_prompt_exactly_once(tmp_path):
     ds = load_trajectories(out, drop_degenerate=False)
     assert sorted(ds["prompt_id"]) == list(range(40))  # every prompt exactly once
     assert not list(out.glob("*.tmp"))
+
+
+def test_block_ending_in_eos_is_recorded(tmp_path):
+    model, tok = tiny_model("llama"), word_tokenizer()
+    prompt = tok(PROMPTS[0])["input_ids"]
+    greedy = model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                            eos_token_id=None)[0, len(prompt):].tolist()
+    end = next(k for k in (7, 11) if greedy[k] not in greedy[:k])  # a token first seen at a block's end
+    model.generation_config.eos_token_id = greedy[end]
+    ds = collect_trajectories(model, tok, PROMPTS[:1], tmp_path, block_size=4, max_new_tokens=12, progress=False)
+    assert ds[0]["response_ids"] == greedy[: end + 1]
+    assert [t for b in ds[0]["fixed_points"] for t in b] == greedy[: end + 1]

@@ -14,7 +14,8 @@ Output (``output_dir``)
       ``trajectories`` (list over complete blocks of list over states of list[int], each state n
       tokens, the last one the fixed point), ``fixed_points`` (list[list[int]]),
       ``degenerate`` (bool: the response repeats one token ``max_repeat`` times in a row).
-      Blocks cut short by EOS or by ``max_new_tokens`` are not recorded (their states are not n long).
+      Every block inside the response is recorded; a block cut short by EOS or by ``max_new_tokens``
+      is not (its states are not n long).
     * ``collection_config.json``: the settings; a restart with different settings is refused.
     Load with :func:`load_trajectories` (or ``datasets.load_dataset("parquet", data_files=...)``).
 
@@ -96,7 +97,10 @@ class _RecordingJacobi(JacobiProposer):
         log = self.run.log
         for r in self.run.rows.tolist():
             count = int(log.count[r])
-            if count - 1 >= self.block_start[r] + self.n:  # block complete: the bonus starts the next one
+            # complete: the bonus starts the next block, or EOS is the block's last token
+            end = self.block_start[r] + self.n
+            complete = count - 1 >= end or (count == end and int(log.first_eos[r]) == end - 1)
+            if complete:
                 fixed = log.tokens[r, self.block_start[r] : self.block_start[r] + self.n].tolist()
                 states = self.states[r]
                 if states and states[-1] != fixed:
@@ -188,9 +192,10 @@ def _collect_chunk(model, tokenizer, texts, ids, out, block_size, max_new_tokens
 
     enc = tokenizer([texts[i] for i in ids], return_tensors="pt", padding=True).to(model.device)
     sink: dict[int, list] = {b: [] for b in range(len(ids))}
-    with torch.no_grad():
-        seqs = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
+    with torch.no_grad():  # one token more: the last block is iterated at full width and completed by its bonus
+        seqs = model.generate(**enc, max_new_tokens=max_new_tokens + 1, do_sample=False,
                               custom_generate=_jacobi_recording(sink, block_size, seed))
+    seqs = seqs[:, : enc["input_ids"].shape[1] + max_new_tokens]
     eos = model.generation_config.eos_token_id
     eos = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
     rows = []
