@@ -70,10 +70,11 @@ def load_tokenizer(path, **kwargs):
     """The checkpoint's tokenizer; a generic ``tokenizer.json`` pipeline is loaded exactly as written.
 
     ``AutoTokenizer`` in transformers 5.x replaces the tokenizer of any ``qwen2`` checkpoint with
-    ``Qwen2Tokenizer`` (its own pre-tokenizer), which splits text differently from the byte-level
-    BPE the embedded model was trained with. A checkpoint whose ``tokenizer_config.json`` declares
-    the generic backend (``TokenizersBackend`` / ``PreTrainedTokenizerFast``) is therefore loaded
-    with ``PreTrainedTokenizerFast``; anything else goes through ``AutoTokenizer``.
+    ``Qwen2Tokenizer`` (its own pre-tokenizer), which splits text differently from a byte-level BPE
+    trained with ``tokenizers`` (the embedded model ships in Llama layout for that reason). A
+    checkpoint whose ``tokenizer_config.json`` declares the generic backend (``TokenizersBackend`` /
+    ``PreTrainedTokenizerFast``) is therefore loaded with ``PreTrainedTokenizerFast``; anything else
+    goes through ``AutoTokenizer``.
     """
     import json
 

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import functools
 import json
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 import hf_paralleldecode as hfpd
 from hf_paralleldecode.bench import load_prompts
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "recipes" / "demo_model"))
 
 
 @functools.lru_cache(maxsize=1)
@@ -30,7 +34,7 @@ def test_demo_model_files_and_training_report():
 
 def test_demo_model_is_a_standard_architecture_that_writes_code():
     model, tokenizer = demo()
-    assert type(model).__name__ == "Qwen2ForCausalLM"
+    assert type(model).__name__ == "LlamaForCausalLM"
     enc = tokenizer("import os\nimport sys\n\n\ndef main():\n    ", return_tensors="pt")
     out = model.generate(**enc, max_new_tokens=32, do_sample=False)
     new = out[0, enc["input_ids"].shape[1]:].tolist()
@@ -54,10 +58,27 @@ def test_shipped_tokenizer_loader_reproduces_the_training_tokenization():
     """AutoTokenizer swaps in Qwen2Tokenizer for qwen2 checkpoints (it pre-tokenizes differently); the
     library's loader must give the ids of the byte-level BPE the model was trained with."""
     from tokenizers import Tokenizer
+    from transformers import AutoTokenizer
 
     path = hfpd.default_model_path()
     raw = Tokenizer.from_file(str(path / "tokenizer.json"))
-    auto = hfpd.load_tokenizer(path)
     text = "    def __init__(self, x):\n        return  x + 1\n\tcaf\u00e9 = {'a': [1, 2]}  # \u00fc\n"
-    assert auto(text, add_special_tokens=False)["input_ids"] == raw.encode(text, add_special_tokens=False).ids
-    assert auto.decode(auto(text)["input_ids"]) == text
+    for tok in (hfpd.load_tokenizer(path), AutoTokenizer.from_pretrained(path)):
+        assert tok(text, add_special_tokens=False)["input_ids"] == raw.encode(text, add_special_tokens=False).ids
+        assert tok.decode(tok(text)["input_ids"]) == text
+
+
+def test_llama_export_of_the_trained_qwen2_layout_is_exact():
+    """The demo model was trained as Qwen2 and exported in Llama layout (q/k/v biases, zero o_proj bias), so
+    that ``AutoTokenizer`` keeps its tokenizer; the conversion must not change a single logit."""
+    from train_demo_model import to_llama_layout
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    qwen = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)).eval()
+    llama = to_llama_layout(qwen).eval()
+    assert type(llama).__name__ == "LlamaForCausalLM"
+    ids = torch.randint(0, 64, (2, 9))
+    with torch.no_grad():
+        assert torch.equal(qwen(input_ids=ids).logits, llama(input_ids=ids).logits)

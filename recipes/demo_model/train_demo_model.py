@@ -9,7 +9,11 @@ own default model. Everything here uses stock transformers / tokenizers APIs:
 3. Model: ``Qwen2ForCausalLM`` built from a config (sizes below), trained from scratch with
    ``transformers.Trainer`` on fixed-length chunks of the concatenated files.
 4. Export: fp32 weights in safetensors plus the tokenizer, a ``generation_config.json`` and
-   ``training_report.json`` (held-out loss, steps, tokens) into ``--export_dir``.
+   ``training_report.json`` (held-out loss, steps, tokens) into ``--export_dir``. The weights are
+   exported in Llama layout (``LlamaForCausalLM`` with ``attention_bias=True`` and a zero
+   ``o_proj`` bias: the same function, bit for bit), because ``AutoTokenizer`` replaces the
+   tokenizer of every ``qwen2`` checkpoint with ``Qwen2Tokenizer``, which pre-tokenizes differently
+   from the BPE trained here. ``--convert_only`` re-exports an existing Qwen2 export in place.
 
 Reproduce the shipped model (2 CPU cores, about 2 hours; resumable):
 
@@ -125,6 +129,36 @@ def build_model(vocab_size: int, args):
     return Qwen2ForCausalLM(config)
 
 
+def to_llama_layout(model):
+    """The same network as ``LlamaForCausalLM``: Qwen2 = Llama with q/k/v biases and no o_proj bias."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    c = model.config
+    config = LlamaConfig(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_key_value_heads, max_position_embeddings=c.max_position_embeddings,
+        rms_norm_eps=c.rms_norm_eps, rope_parameters=dict(c.rope_parameters), hidden_act=c.hidden_act,
+        tie_word_embeddings=c.tie_word_embeddings, attention_bias=True, mlp_bias=False,
+        bos_token_id=c.bos_token_id, eos_token_id=c.eos_token_id, pad_token_id=c.pad_token_id,
+    )
+    llama = LlamaForCausalLM(config).to(model.dtype)
+    state = dict(model.state_dict())
+    for i in range(c.num_hidden_layers):
+        state[f"model.layers.{i}.self_attn.o_proj.bias"] = torch.zeros(c.hidden_size, dtype=model.dtype)
+    llama.load_state_dict(state, strict=True)
+    llama.generation_config = model.generation_config
+    return llama
+
+
+def export(model, tokenizer, export_dir):
+    export_dir = Path(export_dir)
+    export_dir.mkdir(parents=True, exist_ok=True)
+    model.generation_config.do_sample = False
+    to_llama_layout(model).save_pretrained(export_dir)
+    tokenizer.save_pretrained(export_dir)
+
+
 @torch.no_grad()
 def held_out_loss(model, chunks: torch.Tensor, batch_size: int = 8) -> float:
     model.eval()
@@ -156,7 +190,17 @@ def main(argv=None):
     p.add_argument("--eval_tokens", type=int, default=200_000, help="held-out tokens from test/")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--convert_only", action="store_true",
+                   help="re-export the Qwen2 checkpoint in --export_dir in Llama layout (exact) and exit")
     args = p.parse_args(argv)
+    if args.convert_only:
+        from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+        model = AutoModelForCausalLM.from_pretrained(args.export_dir)
+        if model.config.model_type != "qwen2":
+            raise SystemExit(f"{args.export_dir} is a {model.config.model_type!r} checkpoint, not qwen2: nothing to do.")
+        export(model, PreTrainedTokenizerFast.from_pretrained(args.export_dir), args.export_dir)
+        return
 
     from transformers import PreTrainedTokenizerFast, Trainer, TrainingArguments, set_seed
 
@@ -229,12 +273,8 @@ def main(argv=None):
         "python": sysconfig.get_python_version(),
     }
     print(json.dumps(report, indent=2), flush=True)
-    export = Path(args.export_dir)
-    export.mkdir(parents=True, exist_ok=True)
-    model.generation_config.do_sample = False
-    model.save_pretrained(export)
-    tokenizer.save_pretrained(export)
-    (export / "training_report.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+    export(model, tokenizer, args.export_dir)
+    (Path(args.export_dir) / "training_report.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
 
 
 if __name__ == "__main__":
