@@ -92,3 +92,25 @@ def test_collators_name_data_problems(tmp_path):
     empty = dict(row, trajectories=[], fixed_points=[])
     with pytest.raises(ValueError, match="no complete block"):
         ProgressiveCollator(4)([empty])
+
+
+@pytest.mark.parametrize("trainer_cls, config_cls, extra", [
+    (ProgressiveConsistencyTrainer, ProgressiveConsistencyConfig, {}),
+    (ConsistencyTrainer, ConsistencyConfig, {}),
+    (ConsistencyTrainer, ConsistencyConfig, {"consistency": "local"}),
+])
+def test_gradient_accumulation_equals_one_big_batch(tmp_path, trainer_cls, config_cls, extra):
+    """Each loss term is normalised by its counted positions over the whole optimizer step, so 2 x 2 with
+    accumulation takes exactly the step of one batch of 4 (a per-micro-batch mean would not)."""
+    ds = trajectories(str(tmp_path.parent / "traj"))
+    params = []
+    for batch, accumulation in ((4, 1), (2, 2)):
+        model = tiny_model("llama")
+        args = _args(config_cls, tmp_path, max_steps=1, learning_rate=1.0, optim="sgd", lr_scheduler_type="constant",
+                     gradient_accumulation_steps=accumulation, **extra)
+        args.per_device_train_batch_size = batch
+        trainer_cls(model=model, args=args, train_dataset=ds).train()
+        params.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+    initial = torch.cat([p.detach().reshape(-1) for p in tiny_model("llama").parameters()])
+    assert (params[0] - initial).abs().max() > 1e-3  # the step did move the weights
+    torch.testing.assert_close(params[1], params[0], rtol=1e-4, atol=1e-5)

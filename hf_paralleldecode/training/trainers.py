@@ -10,8 +10,13 @@ Saving writes the model, a ``ParallelDecodingConfig`` with the matching decoding
 :func:`hf_paralleldecode.load_model` decodes the checkpoint with the right strategy out of the box)
 and a model card naming the base model, the method and its citation.
 
-Loss scaling: each term is a mean over its own counted positions within the batch
-(``loss_is_scaled_for_ga = False``: the Trainer divides by the accumulation steps).
+Loss scaling (gradient-accumulation exact): each term (consistency, AR) is a sum over its counted
+positions divided by that term's count over the whole optimizer step, i.e. every micro-batch of the
+accumulation and every process. The Trainer hands those counts to ``compute_loss`` as
+``num_items_in_batch`` (a ``[2]`` tensor here, from :meth:`_get_num_items_in_batch`), so
+``batch 4 x 1 step`` and ``batch 2 x 2 accumulated steps`` take the same optimizer step (tested).
+Under DDP the loss is multiplied by the number of processes, which the gradient all-reduce's mean
+divides back out. Without counts (direct calls) each term is the mean over its batch.
 """
 
 from __future__ import annotations
@@ -86,8 +91,32 @@ class ProgressiveConsistencyConfig(_ParallelDecodingTrainingArguments):
 
 
 class _ParallelDecodingTrainer(Trainer):
-    loss_is_scaled_for_ga = False
+    loss_is_scaled_for_ga = True  # compute_loss divides by the step's counts (see the module docstring)
     method: str = ""
+
+    def _term_counts(self, inputs) -> torch.Tensor:  # pragma: no cover - per subclass
+        """Counted positions of ``[consistency term, AR term]`` in one collated batch."""
+        raise NotImplementedError
+
+    def _get_num_items_in_batch(self, batch_samples, device):
+        if not batch_samples:
+            return None
+        counts = sum(self._term_counts(b).to(device) for b in batch_samples)
+        if self.args.world_size > 1:
+            counts = self.accelerator.gather(counts[None]).sum(0)
+        return counts
+
+    def _combine(self, loss_c, loss_ar, num_items_in_batch):
+        loss = loss_c + self.args.ar_weight * loss_ar
+        if num_items_in_batch is not None and self.args.world_size > 1:
+            loss = loss * self.accelerator.num_processes  # the DDP gradient mean divides it back out
+        return loss
+
+    @staticmethod
+    def _split(num_items_in_batch):
+        if num_items_in_batch is None:
+            return None, None
+        return num_items_in_batch[0].clamp(min=1), num_items_in_batch[1].clamp(min=1)
 
     def _decoding_config(self) -> ParallelDecodingConfig:  # pragma: no cover - per subclass
         raise NotImplementedError
@@ -124,7 +153,11 @@ class ConsistencyTrainer(_ParallelDecodingTrainer):
     def _decoding_config(self):
         return ParallelDecodingConfig("jacobi", {"block_size": self.args.block_size})
 
+    def _term_counts(self, inputs):
+        return torch.stack([inputs["block_mask"].sum(), (inputs["labels"][:, 1:] != -100).sum()])
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        n_c, n_ar = self._split(num_items_in_batch)
         n = self.args.block_size
         idx = inputs["block_start"][:, None] + torch.arange(n, device=inputs["block_start"].device)  # [batch, n]
         student = model(input_ids=inputs["student_ids"]).logits
@@ -137,9 +170,9 @@ class ConsistencyTrainer(_ParallelDecodingTrainer):
             with torch.no_grad():
                 teacher_all = model(input_ids=inputs["teacher_ids"]).logits
             teacher = teacher_all.gather(1, idx[..., None].expand(-1, -1, teacher_all.shape[-1]))
-        loss_c = consistency_loss(student, teacher, inputs["block_mask"], self.args.distance, self.args.beta)
-        loss_ar = ar_loss(clean[:, :-1], inputs["labels"][:, 1:])
-        loss = loss_c + self.args.ar_weight * loss_ar
+        loss_c = consistency_loss(student, teacher, inputs["block_mask"], self.args.distance, self.args.beta, n_c)
+        loss_ar = ar_loss(clean[:, :-1], inputs["labels"][:, 1:], num_items_in_batch=n_ar)
+        loss = self._combine(loss_c, loss_ar, num_items_in_batch)
         return (loss, {"consistency_loss": loss_c, "ar_loss": loss_ar}) if return_outputs else loss
 
 
@@ -157,11 +190,15 @@ class ProgressiveConsistencyTrainer(_ParallelDecodingTrainer):
         return ParallelDecodingConfig("jacobi_forcing", {"block_size": a.block_size, "num_blocks": a.num_blocks,
                                                          "pool_size": a.pool_size})
 
+    def _term_counts(self, inputs):
+        return torch.stack([inputs["pair_mask"].sum(), (inputs["labels"] != -100).sum()])
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        n_c, n_ar = self._split(num_items_in_batch)
         mask = inputs["attention_mask"].to(dtype=next(model.parameters()).dtype)
         logits = model(input_ids=inputs["input_ids"], position_ids=inputs["position_ids"], attention_mask=mask).logits
         loss_pc = progressive_consistency_loss(logits, inputs["noisy_index"], inputs["clean_index"],
-                                               inputs["pair_mask"], self.args.distance, self.args.beta)
-        loss_ar = ar_loss(logits, inputs["labels"])
-        loss = loss_pc + self.args.ar_weight * loss_ar
+                                               inputs["pair_mask"], self.args.distance, self.args.beta, n_c)
+        loss_ar = ar_loss(logits, inputs["labels"], num_items_in_batch=n_ar)
+        loss = self._combine(loss_pc, loss_ar, num_items_in_batch)
         return (loss, {"pc_loss": loss_pc, "ar_loss": loss_ar}) if return_outputs else loss
