@@ -30,7 +30,7 @@ def trajectories(tmp_root: str):
 
 def _args(cls, tmp_path, **kw):
     return cls(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, max_steps=kw.pop("max_steps", 30),
-               learning_rate=kw.pop("learning_rate", 3e-3), logging_steps=5, save_strategy="no", report_to=[],
+               learning_rate=kw.pop("learning_rate", 3e-3), logging_steps=kw.pop("logging_steps", 5), save_strategy="no", report_to=[],
                use_cpu=True, block_size=4, base_model_name_or_path="tiny-llama", disable_tqdm=True, **kw)
 
 
@@ -114,3 +114,20 @@ def test_gradient_accumulation_equals_one_big_batch(tmp_path, trainer_cls, confi
     initial = torch.cat([p.detach().reshape(-1) for p in tiny_model("llama").parameters()])
     assert (params[0] - initial).abs().max() > 1e-3  # the step did move the weights
     torch.testing.assert_close(params[1], params[0], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("trainer_cls, config_cls, terms", [
+    (ProgressiveConsistencyTrainer, ProgressiveConsistencyConfig, ("pc_loss", "ar_loss")),
+    (ConsistencyTrainer, ConsistencyConfig, ("consistency_loss", "ar_loss")),
+])
+def test_each_loss_term_is_logged(tmp_path, trainer_cls, config_cls, terms):
+    ds = trajectories(str(tmp_path.parent / "traj"))
+    trainer = trainer_cls(model=tiny_model("llama"), args=_args(config_cls, tmp_path, max_steps=4, logging_steps=2),
+                          train_dataset=ds)
+    trainer.train()
+    logged = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logged) == 2
+    for h in logged:
+        assert all(t in h and h[t] > 0 for t in terms)
+        # AR weight 1: the logged total is the sum of the logged terms (micro-batch means)
+        assert h["loss"] == pytest.approx(h[terms[0]] + h["ar_loss"], rel=2e-3)

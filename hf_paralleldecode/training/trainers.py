@@ -21,6 +21,7 @@ divides back out. Without counts (direct calls) each term is the mean over its b
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
@@ -106,11 +107,32 @@ class _ParallelDecodingTrainer(Trainer):
             counts = self.accelerator.gather(counts[None]).sum(0)
         return counts
 
-    def _combine(self, loss_c, loss_ar, num_items_in_batch):
+    def _combine(self, inputs, terms: dict, num_items_in_batch):
+        """Total loss from ``{consistency term name: value, "ar_loss": value}``; records each term's
+        micro-batch mean for logging (averaged over the logging interval, as trl's trainers do)."""
+        (name_c, loss_c), loss_ar = next(iter(terms.items())), terms["ar_loss"]
+        mode = "train" if self.model.training else "eval"
+        scale = (torch.ones(2) if num_items_in_batch is None
+                 else num_items_in_batch.detach().float().cpu() / self._term_counts(inputs).clamp(min=1).float().cpu())
+        self._metrics[mode][name_c].append(float(loss_c.detach()) * float(scale[0]))
+        self._metrics[mode]["ar_loss"].append(float(loss_ar.detach()) * float(scale[1]))
         loss = loss_c + self.args.ar_weight * loss_ar
         if num_items_in_batch is not None and self.args.world_size > 1:
             loss = loss * self.accelerator.num_processes  # the DDP gradient mean divides it back out
         return loss
+
+    @property
+    def _metrics(self):
+        if "_term_metrics" not in self.__dict__:
+            self._term_metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
+        return self._term_metrics
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        mode = "train" if self.model.training else "eval"
+        prefix = "" if mode == "train" else "eval_"
+        logs.update({prefix + k: round(sum(v) / len(v), 4) for k, v in self._metrics[mode].items() if v})
+        self._metrics[mode].clear()
+        super().log(logs, start_time)
 
     @staticmethod
     def _split(num_items_in_batch):
@@ -172,7 +194,7 @@ class ConsistencyTrainer(_ParallelDecodingTrainer):
             teacher = teacher_all.gather(1, idx[..., None].expand(-1, -1, teacher_all.shape[-1]))
         loss_c = consistency_loss(student, teacher, inputs["block_mask"], self.args.distance, self.args.beta, n_c)
         loss_ar = ar_loss(clean[:, :-1], inputs["labels"][:, 1:], num_items_in_batch=n_ar)
-        loss = self._combine(loss_c, loss_ar, num_items_in_batch)
+        loss = self._combine(inputs, {"consistency_loss": loss_c, "ar_loss": loss_ar}, num_items_in_batch)
         return (loss, {"consistency_loss": loss_c, "ar_loss": loss_ar}) if return_outputs else loss
 
 
@@ -200,5 +222,5 @@ class ProgressiveConsistencyTrainer(_ParallelDecodingTrainer):
         loss_pc = progressive_consistency_loss(logits, inputs["noisy_index"], inputs["clean_index"],
                                                inputs["pair_mask"], self.args.distance, self.args.beta, n_c)
         loss_ar = ar_loss(logits, inputs["labels"], num_items_in_batch=n_ar)
-        loss = self._combine(loss_pc, loss_ar, num_items_in_batch)
+        loss = self._combine(inputs, {"pc_loss": loss_pc, "ar_loss": loss_ar}, num_items_in_batch)
         return (loss, {"pc_loss": loss_pc, "ar_loss": loss_ar}) if return_outputs else loss

@@ -3,8 +3,11 @@
     python recipes/demo_model/evaluate_trained.py runs/jf_tiny runs/cllm_tiny --num-prompts 16
 
 Held-out loss: the first 200k tokens of the stdlib test/ package in 512-token chunks (as the base
-model's training report). Greedy agreement: share of generated tokens (up to each prompt's first
-divergence) that equal the base model's greedy output on the shipped held-out prompts.
+model's training report). On the shipped held-out prompts, against the base model's greedy output:
+* greedy prefix agreement: share of generated tokens, up to each prompt's first divergence, equal
+  to the base model's (one early divergence ends a prompt's count: a strict measure);
+* teacher-forced top-1 agreement: share of positions of the base's greedy continuation where the
+  checkpoint's argmax, given the same prefix, is the base's token.
 """
 
 from __future__ import annotations
@@ -36,7 +39,19 @@ def main(argv=None):
     gen = lambda m, e: m.generate(**e, max_new_tokens=args.max_new_tokens, do_sample=False, decoding="stock")[  # noqa: E731
         0, e["input_ids"].shape[1]:]
     base_out = [gen(base, e) for e in encs]
-    report = {"base": {"held_out_loss": round(held_out_loss(base, chunks), 4)}}
+
+    @torch.no_grad()
+    def forced_agreement(model):
+        hits = total = 0
+        for e, cont in zip(encs, base_out):
+            ids = torch.cat([e["input_ids"][0], cont])[None]
+            start = e["input_ids"].shape[1]
+            pred = model(input_ids=ids).logits[0, start - 1 : -1].argmax(-1)
+            hits, total = hits + int((pred == cont).sum()), total + len(cont)
+        return hits / total
+
+    report = {"base": {"held_out_loss": round(held_out_loss(base, chunks), 4),
+                       "teacher_forced_top1_agreement": round(forced_agreement(base), 4)}}
     for ckpt in args.checkpoints:
         model = hfpd.load_model(ckpt)
         outs = [gen(model, e) for e in encs]
@@ -44,6 +59,7 @@ def main(argv=None):
         report[ckpt] = {
             "held_out_loss": round(held_out_loss(model, chunks), 4),
             "greedy_prefix_agreement_with_base": round(agree / sum(len(b) for b in base_out), 4),
+            "teacher_forced_top1_agreement": round(forced_agreement(model), 4),
             "identical_greedy_outputs": sum(torch.equal(a, b) for a, b in zip(outs, base_out)),
             "prompts": len(prompts),
         }
