@@ -131,3 +131,16 @@ def test_each_loss_term_is_logged(tmp_path, trainer_cls, config_cls, terms):
         assert all(t in h and h[t] > 0 for t in terms)
         # AR weight 1: the logged total is the sum of the logged terms (micro-batch means)
         assert h["loss"] == pytest.approx(h[terms[0]] + h["ar_loss"], rel=2e-3)
+
+
+def test_push_to_hub_model_card_is_the_methods_card(tmp_path):
+    """Trainer.push_to_hub calls create_model_card() after saving, which would replace the card naming the
+    base model, method and citation with transformers' generic one."""
+    ds = trajectories(str(tmp_path.parent / "traj"))
+    args = _args(ProgressiveConsistencyConfig, tmp_path, max_steps=1)
+    trainer = ProgressiveConsistencyTrainer(model=tiny_model("llama"), args=args, train_dataset=ds)
+    trainer.save_model(args.output_dir)
+    trainer.create_model_card(model_name="my-jf-model", tags=["extra-tag"])
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "Citation" in card and "tiny-llama" in card and "jacobi_forcing" in card
+    assert "extra-tag" in card and "my-jf-model" in card

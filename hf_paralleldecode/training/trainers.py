@@ -152,15 +152,28 @@ class _ParallelDecodingTrainer(Trainer):
             config.save_pretrained(output_dir)
             self._write_card(output_dir, config)
 
-    def _write_card(self, output_dir, config):
+    def _write_card(self, output_dir, config, model_name=None, tags=()):
         from pathlib import Path
 
-        card = (f"---\nlibrary_name: hf_paralleldecode\ntags:\n- hf_paralleldecode\n- {self.method}\n---\n\n"
-                f"# {self.method} model\n\nBase model: `{self.args.base_model_name_or_path}`\n\n"
+        tags = ["hf_paralleldecode", self.method] + [t for t in tags if t not in ("hf_paralleldecode", self.method)]
+        tag_lines = "".join(f"- {t}\n" for t in tags)
+        title = model_name or f"{self.method} model"
+        card = (f"---\nlibrary_name: hf_paralleldecode\ntags:\n{tag_lines}---\n\n"
+                f"# {title}\n\nBase model: `{self.args.base_model_name_or_path}`\n\n"
                 f"Trained with hf_paralleldecode's `{type(self).__name__}`; decode with\n\n"
                 f"```python\nimport hf_paralleldecode as hfpd\nmodel = hfpd.load_model(path)  # "
                 f"decoding={config.decoding!r}, {config.settings}\n```\n\nCitation: {CITATIONS[self.method]}\n")
         Path(output_dir, "README.md").write_text(card)
+
+    def create_model_card(self, model_name=None, tags=None, **kwargs):
+        """The method's card (base model, decoding settings, citation); ``Trainer.push_to_hub`` calls this
+        after saving, and the stock card would replace it."""
+        if not self.is_world_process_zero():
+            return
+        config = self._decoding_config()
+        config.base_model_name_or_path = self.args.base_model_name_or_path
+        tags = [tags] if isinstance(tags, str) else list(tags or [])
+        self._write_card(self.args.output_dir, config, model_name, tags)
 
 
 class ConsistencyTrainer(_ParallelDecodingTrainer):
