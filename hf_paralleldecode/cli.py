@@ -49,7 +49,7 @@ def _load(args):
         torch.set_num_threads(args.threads)
 
     from .bench import random_model
-    from .loading import default_model_path, load_model, load_tokenizer
+    from .loading import EMBEDDED_MODELS, default_model_path, load_model, load_tokenizer
 
     dtype = getattr(torch, args.dtype)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -58,17 +58,19 @@ def _load(args):
         model = random_model(args.model, vocab_size=len(tokenizer))
         name = args.model
     else:
-        path = default_model_path() if args.model == "default" else args.model
+        embedded = args.model in EMBEDDED_MODELS
+        path = default_model_path(args.model) if embedded else args.model
         model = load_model(path)
         tokenizer = load_tokenizer(path)
-        name = "stdlib-coder-8m (embedded)" if args.model == "default" else str(args.model)
+        name = f"{EMBEDDED_MODELS[args.model]} (embedded)" if embedded else str(args.model)
     model = model.to(device=device, dtype=dtype).eval()
     return model, tokenizer, name
 
 
 def _add_model_args(p):
     p.add_argument("--model", default="default",
-                   help="'default' (embedded demo model), a local checkpoint / Hub id, or random-100m / random-tiny")
+                   help="'default' (embedded demo model), 'default-trained' (the same after consistency training), "
+                        "a local checkpoint / Hub id, or random-100m / random-tiny")
     p.add_argument("--prompts", default=None, help="prompts file (.jsonl with a 'prompt' field, .json or .txt)")
     p.add_argument("--num-prompts", type=int, default=None, help="use only the first N prompts")
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -153,8 +155,7 @@ def _collect(args) -> int:
 
 
 def _demo(args) -> int:
-
-    from .bench import StrategySpec, format_report, run_benchmark
+    from .bench import StrategySpec
     from .registry import available_decodings
 
     model, tokenizer, name = _load(args)
@@ -164,22 +165,49 @@ def _demo(args) -> int:
     strategies.append(StrategySpec("prompt_lookup"))  # transformers' own peer, for reference
     print(f"model: {name}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, "
           f"{next(model.parameters()).device}; {len(prompts)} prompts x {args.max_new_tokens} new tokens\n")
+    base = _demo_part(args, model, tokenizer, name, prompts, strategies, dict(decoding="jacobi", block_size=16))
+    reports = [base]
+    if args.model == "default" and not args.base_only:
+        from .loading import default_model_path
+
+        if (default_model_path("default-trained") / "model.safetensors").is_file():
+            args.model = "default-trained"
+            trained_model, _, trained_name = _load(args)
+            config = trained_model.parallel_decoding_config
+            print(f"\n=== {trained_name}: the same model after consistency training "
+                  f"(docs/training.md); its checkpoint decodes with {config.decoding} {config.settings} ===\n")
+            trained = _demo_part(args, trained_model, tokenizer, trained_name, prompts,
+                                 [StrategySpec("jacobi", {"block_size": 16}), StrategySpec(config.decoding)], {})
+            reports.append(trained)
+            print("\nbefore -> after training (tokens per forward, speedup over AR):")
+            for label, before_label in (("jacobi(block_size=16)", "jacobi(block_size=16)"),
+                                        (config.decoding, config.decoding)):
+                b, a = base["results"][before_label], trained["results"][label]
+                print(f"  {label:<24} TPF {b['tpf']:.2f} -> {a['tpf']:.2f}   "
+                      f"speedup {b['speedup_vs_ar']:.2f}x -> {a['speedup_vs_ar']:.2f}x")
+    exact = all(r["exact_match_vs_ar"] == 1.0 for rep in reports for r in rep["results"].values())
+    print(f"\noutputs identical to the model's own AR greedy output for every strategy: {'yes' if exact else 'NO'}")
+    return 0 if exact else 1
+
+
+def _demo_part(args, model, tokenizer, name, prompts, strategies, sample_kwargs):
+    """One model: a sample completion, then AR vs ``strategies`` on the same prompts."""
+    from .bench import format_report, run_benchmark
+
     enc = tokenizer(prompts[0], return_tensors="pt").to(model.device)
-    out = model.generate(**enc, max_new_tokens=min(args.max_new_tokens, 64), do_sample=False,
-                         decoding="jacobi", block_size=16)
+    out = model.generate(**enc, max_new_tokens=min(args.max_new_tokens, 64), do_sample=False, **sample_kwargs)
     print("--- prompt " + "-" * 60)
     print(prompts[0], end="")
     print("\033[1m" if sys.stdout.isatty() else "", end="")
     print(tokenizer.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True))
     print("\033[0m" if sys.stdout.isatty() else "", end="")
     print("--- end " + "-" * 63 + "\n")
+    output_dir = None if args.output_dir is None else f"{args.output_dir}/{args.model}"
     report = run_benchmark(model, tokenizer, prompts, strategies, max_new_tokens=args.max_new_tokens,
-                           repeats=args.repeats, batch_size=args.batch_size, output_dir=args.output_dir,
+                           repeats=args.repeats, batch_size=args.batch_size, output_dir=output_dir,
                            progress=False, model_name=name)
     print(format_report(report))
-    exact = all(r["exact_match_vs_ar"] == 1.0 for r in report["results"].values())
-    print(f"\noutputs identical to AR greedy for every strategy: {'yes' if exact else 'NO'}")
-    return 0 if exact else 1
+    return report
 
 
 def main(argv=None) -> int:
@@ -240,6 +268,8 @@ def main(argv=None) -> int:
     _add_model_args(p_demo)
     p_demo.add_argument("--repeats", type=int, default=1)
     p_demo.add_argument("--output-dir", default=None)
+    p_demo.add_argument("--base-only", action="store_true",
+                        help="skip the second part (the embedded model after consistency training)")
     p_demo.set_defaults(func=_demo, max_new_tokens=96)
 
     args = parser.parse_args(argv)

@@ -12,14 +12,24 @@ from pathlib import Path
 from .config import CONFIG_NAME, ParallelDecodingConfig
 from .integration import enable
 
-__all__ = ["load_model", "load_tokenizer", "default_model_path", "load_default_model", "DEFAULT_MODEL_NAME"]
+__all__ = ["load_model", "load_tokenizer", "default_model_path", "load_default_model", "DEFAULT_MODEL_NAME",
+           "EMBEDDED_MODELS"]
 
 DEFAULT_MODEL_NAME = "stdlib-coder-8m"
+TRAINED_MODEL_NAME = "stdlib-coder-8m-jacobi-forcing"
+#: ``--model`` names of the shipped checkpoints -> their directory under ``assets/``
+EMBEDDED_MODELS = {
+    "default": DEFAULT_MODEL_NAME,  # the base model (recipes/demo_model/train_demo_model.py)
+    "default-trained": TRAINED_MODEL_NAME,  # the base model after consistency training (recipes/benchmarks/e2e_training.sh)
+}
 
 
-def default_model_path() -> Path:
-    """Directory of the embedded demo model (trained by ``recipes/demo_model``)."""
-    return Path(__file__).parent / "assets" / DEFAULT_MODEL_NAME
+def default_model_path(name: str = "default") -> Path:
+    """Directory of an embedded model: ``"default"`` (the base demo model, trained by
+    ``recipes/demo_model``) or ``"default-trained"`` (the same model after consistency training)."""
+    if name not in EMBEDDED_MODELS:
+        raise ValueError(f"Unknown embedded model {name!r}; choose one of {sorted(EMBEDDED_MODELS)}.")
+    return Path(__file__).parent / "assets" / EMBEDDED_MODELS[name]
 
 
 def _find_config(pretrained, hub_kwargs) -> ParallelDecodingConfig | None:
@@ -87,12 +97,12 @@ def load_tokenizer(path, **kwargs):
     return AutoTokenizer.from_pretrained(path, **kwargs)
 
 
-def load_default_model(**kwargs):
-    """The embedded demo model and its tokenizer: ``(model, tokenizer)``."""
-    path = default_model_path()
+def load_default_model(name: str = "default", **kwargs):
+    """An embedded model and its tokenizer, ``(model, tokenizer)``; ``name`` as in :func:`default_model_path`."""
+    path = default_model_path(name)
     if not (path / "model.safetensors").is_file():
         raise FileNotFoundError(
-            f"The embedded demo model is missing at {path}; reinstall hf_paralleldecode or rebuild it with "
-            "`python recipes/demo_model/train_demo_model.py` (see its docstring)."
+            f"The embedded model {name!r} is missing at {path}; reinstall hf_paralleldecode or rebuild it with "
+            "the recipe named in docs/demo-model.md."
         )
     return load_model(path, **kwargs), load_tokenizer(path)

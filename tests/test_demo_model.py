@@ -82,3 +82,30 @@ def test_llama_export_of_the_trained_qwen2_layout_is_exact():
     ids = torch.randint(0, 64, (2, 9))
     with torch.no_grad():
         assert torch.equal(qwen(input_ids=ids).logits, llama(input_ids=ids).logits)
+
+
+def test_trained_embedded_model_loads_with_its_decoding_config_and_is_lossless():
+    model, tokenizer = hfpd.load_default_model("default-trained")
+    config = model.parallel_decoding_config
+    assert config.decoding == "jacobi_forcing" and config.base_model_name_or_path == "stdlib-coder-8m"
+    report = json.loads((hfpd.default_model_path("default-trained") / "training_report.json").read_text())
+    assert report["tpf_held_out"]["jacobi_forcing_n16_K2_pool4"]["trained"] > 2.0
+    prompts = load_prompts(hfpd.default_model_path().parent / "prompts" / "stdlib_test.jsonl")[:3]
+    tokenizer.padding_side = "left"
+    batch = tokenizer(prompts, return_tensors="pt", padding=True)
+    out = model.generate(**batch, max_new_tokens=48, return_dict_in_generate=True)  # its saved decoding
+    assert out.decoding == "jacobi_forcing"
+    assert torch.equal(out.sequences, model.generate(**batch, max_new_tokens=48, do_sample=False, decoding="stock"))
+    assert out.tokens_per_forward > 1.5  # consistency-trained: well above the base model's ~1.3
+
+
+def test_demo_command_shows_base_and_trained_model(capsys):
+    from hf_paralleldecode.cli import main
+
+    assert main(["demo", "--num-prompts", "1", "--max-new-tokens", "16", "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "stdlib-coder-8m (embedded)" in out and "stdlib-coder-8m-jacobi-forcing (embedded)" in out
+    assert "before -> after training" in out
+    assert "identical to the model's own AR greedy output for every strategy: yes" in out
+    with pytest.raises(ValueError, match="Unknown embedded model"):
+        hfpd.default_model_path("default-nope")

@@ -8,19 +8,21 @@ set -euo pipefail
 OUT=${OUT:-runs/e2e}
 THREADS=${THREADS:-2}
 STEPS=${STEPS:-200}
+TRAJ=${TRAJ:-$OUT/traj16}          # reuse a collection from another run with TRAJ=...
+TRAIN_ARGS=${TRAIN_ARGS:-}         # extra recipe overrides, e.g. TRAIN_ARGS="--learning_rate 1e-4"
 export OMP_NUM_THREADS=$THREADS
 mkdir -p "$OUT"
 
 # 1. 1603 training prompts (function openings of the stdlib training split, 4 per file) -> trajectories
 [ -f "$OUT/train_prompts.jsonl" ] || python recipes/demo_model/make_prompts.py --split train --num_prompts 1600 \
   --per_file 4 --out "$OUT/train_prompts.jsonl"
-hf-paralleldecode collect --model default --prompts "$OUT/train_prompts.jsonl" --output-dir "$OUT/traj16" \
+hf-paralleldecode collect --model default --prompts "$OUT/train_prompts.jsonl" --output-dir "$TRAJ" \
   --block-size 16 --max-new-tokens 96 --batch-size 16 --threads "$THREADS"
 
 # 2. the two recipes, one epoch each (200 steps x 8 rows)
 for method in jacobi_forcing cllm; do
   [ -f "$OUT/$method/model.safetensors" ] || hf-paralleldecode train --config "recipes/${method}_tiny_cpu.yaml" \
-    --trajectories "$OUT/traj16" --output_dir "$OUT/$method" --max_steps "$STEPS" --save_steps 100
+    --trajectories "$TRAJ" --output_dir "$OUT/$method" --max_steps "$STEPS" --save_steps 100 $TRAIN_ARGS
 done
 
 # 3. quality: held-out loss, greedy and teacher-forced agreement with the base model

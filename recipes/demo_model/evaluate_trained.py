@@ -7,7 +7,10 @@ model's training report). On the shipped held-out prompts, against the base mode
 * greedy prefix agreement: share of generated tokens, up to each prompt's first divergence, equal
   to the base model's (one early divergence ends a prompt's count: a strict measure);
 * teacher-forced top-1 agreement: share of positions of the base's greedy continuation where the
-  checkpoint's argmax, given the same prefix, is the base's token.
+  checkpoint's argmax, given the same prefix, is the base's token;
+* distinct 4-grams: share of distinct 4-grams among all 4-grams of a model's own greedy outputs,
+  pooled over the prompts (lower = more repetitive; repetitive text is also easier to decode in
+  parallel).
 """
 
 from __future__ import annotations
@@ -40,6 +43,10 @@ def main(argv=None):
         0, e["input_ids"].shape[1]:]
     base_out = [gen(base, e) for e in encs]
 
+    def distinct_4grams(outs):
+        grams = [tuple(o[i : i + 4].tolist()) for o in outs for i in range(len(o) - 3)]
+        return len(set(grams)) / max(len(grams), 1) if grams else 1.0
+
     @torch.no_grad()
     def forced_agreement(model):
         hits = total = 0
@@ -51,7 +58,8 @@ def main(argv=None):
         return hits / total
 
     report = {"base": {"held_out_loss": round(held_out_loss(base, chunks), 4),
-                       "teacher_forced_top1_agreement": round(forced_agreement(base), 4)}}
+                       "teacher_forced_top1_agreement": round(forced_agreement(base), 4),
+                       "distinct_4grams": round(distinct_4grams(base_out), 4)}}
     for ckpt in args.checkpoints:
         model = hfpd.load_model(ckpt)
         outs = [gen(model, e) for e in encs]
@@ -60,6 +68,7 @@ def main(argv=None):
             "held_out_loss": round(held_out_loss(model, chunks), 4),
             "greedy_prefix_agreement_with_base": round(agree / sum(len(b) for b in base_out), 4),
             "teacher_forced_top1_agreement": round(forced_agreement(model), 4),
+            "distinct_4grams": round(distinct_4grams(outs), 4),
             "identical_greedy_outputs": sum(torch.equal(a, b) for a, b in zip(outs, base_out)),
             "prompts": len(prompts),
         }
