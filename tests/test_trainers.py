@@ -144,3 +144,28 @@ def test_push_to_hub_model_card_is_the_methods_card(tmp_path):
     card = (tmp_path / "out" / "README.md").read_text()
     assert "Citation" in card and "tiny-llama" in card and "jacobi_forcing" in card
     assert "extra-tag" in card and "my-jf-model" in card
+
+
+@pytest.mark.parametrize("trainer_cls, config_cls", [
+    (ProgressiveConsistencyTrainer, ProgressiveConsistencyConfig),
+    (ConsistencyTrainer, ConsistencyConfig),
+])
+def test_ar_term_can_distil_the_frozen_base_distribution(tmp_path, trainer_cls, config_cls):
+    """ar_target='base_kl': the AR term is KL(base || model) on the response positions, against a frozen copy
+    of the starting model: exactly 0 before training, > 0 after, and the base copy never moves."""
+    ds = trajectories(str(tmp_path.parent / "traj"))
+    model = tiny_model("llama")
+    trainer = trainer_cls(model=model, args=_args(config_cls, tmp_path, max_steps=10, ar_target="base_kl"),
+                          train_dataset=ds)
+    batch = trainer.data_collator([ds[i] for i in range(4)])
+    with torch.no_grad():
+        _, terms = trainer.compute_loss(model, batch, return_outputs=True)
+    assert float(terms["ar_loss"]) == pytest.approx(0.0, abs=1e-6)
+    frozen = [p.detach().clone() for p in trainer.ref_model.parameters()]
+    trainer.train()
+    with torch.no_grad():
+        _, terms = trainer.compute_loss(model, batch, return_outputs=True)
+    assert float(terms["ar_loss"]) > 1e-6
+    assert all(torch.equal(a, b) for a, b in zip(frozen, trainer.ref_model.parameters()))
+    with pytest.raises(ValueError, match="ar_target"):
+        config_cls(output_dir=str(tmp_path), use_cpu=True, report_to=[], ar_target="soft")

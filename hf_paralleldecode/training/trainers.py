@@ -34,6 +34,8 @@ from .packing import MASKS, SCHEDULES
 
 __all__ = ["ConsistencyConfig", "ConsistencyTrainer", "ProgressiveConsistencyConfig", "ProgressiveConsistencyTrainer"]
 
+AR_TARGETS = ("greedy", "base_kl")
+
 CITATIONS = {
     "cllm": "Kou et al., CLLMs: Consistency Large Language Models, ICML 2024 (arXiv:2403.00835)",
     "jacobi_forcing": "Hu et al., Fast and Accurate Causal Parallel Decoding using Jacobi Forcing (hao-ai-lab, 2025)",
@@ -46,6 +48,10 @@ class _ParallelDecodingTrainingArguments(TrainingArguments):
     distance: str = field(default="forward_kl", metadata={"help": f"Consistency distance, one of {DISTANCES}."})
     beta: float = field(default=0.5, metadata={"help": "Mixing weight of the generalised JSD (distance='jsd'), in (0, 1)."})
     ar_weight: float = field(default=1.0, metadata={"help": "Weight (lambda / w) of the AR loss on the greedy response."})
+    ar_target: str = field(default="greedy", metadata={"help": (
+        "AR term: 'greedy' = cross-entropy on the base model's greedy response (the seeds); 'base_kl' = forward KL "
+        "from a frozen copy of the starting model to the model on the same response positions, which keeps the "
+        "model's distribution instead of sharpening it toward its argmax (costs a frozen copy and its forward).")})
     base_model_name_or_path: str | None = field(default=None, metadata={"help": "Provenance, written to the model card."})
     remove_unused_columns: bool = field(default=False, metadata={"help": "Keep trajectory columns for the collator."})
 
@@ -59,6 +65,8 @@ class _ParallelDecodingTrainingArguments(TrainingArguments):
             raise ValueError(f"beta must be in (0, 1), got {self.beta}.")
         if self.ar_weight < 0:
             raise ValueError(f"ar_weight must be >= 0, got {self.ar_weight}.")
+        if self.ar_target not in AR_TARGETS:
+            raise ValueError(f"ar_target must be one of {AR_TARGETS}, got {self.ar_target!r}.")
         if self.remove_unused_columns:
             raise ValueError("remove_unused_columns must stay False: the collator needs the trajectory columns.")
 
@@ -94,6 +102,22 @@ class ProgressiveConsistencyConfig(_ParallelDecodingTrainingArguments):
 class _ParallelDecodingTrainer(Trainer):
     loss_is_scaled_for_ga = True  # compute_loss divides by the step's counts (see the module docstring)
     method: str = ""
+
+    def _setup_ar_target(self):
+        """``ar_target='base_kl'``: a frozen copy of the starting model (replicated on every process)."""
+        self.ref_model = None
+        if self.args.ar_target == "base_kl":
+            import copy
+
+            self.ref_model = copy.deepcopy(self.accelerator.unwrap_model(self.model)).eval().requires_grad_(False)
+
+    def _ar_term(self, logits, labels, n_ar, **ref_inputs):
+        """AR term on ``logits`` aligned with next-token ``labels`` (``-100`` = not counted)."""
+        if self.ref_model is None:
+            return ar_loss(logits, labels, num_items_in_batch=n_ar)
+        with torch.no_grad():
+            ref = self.ref_model(**ref_inputs).logits[:, : logits.shape[1]]
+        return consistency_loss(logits, ref, labels != -100, "forward_kl", num_items_in_batch=n_ar)
 
     def _term_counts(self, inputs) -> torch.Tensor:  # pragma: no cover - per subclass
         """Counted positions of ``[consistency term, AR term]`` in one collated batch."""
@@ -184,6 +208,7 @@ class ConsistencyTrainer(_ParallelDecodingTrainer):
         if data_collator is None and args_ is not None:
             data_collator = ConsistencyCollator(args_.block_size, args_.consistency, seed=args_.seed)
         super().__init__(*args, data_collator=data_collator, **kwargs)
+        self._setup_ar_target()
 
     def _decoding_config(self):
         return ParallelDecodingConfig("jacobi", {"block_size": self.args.block_size})
@@ -206,7 +231,8 @@ class ConsistencyTrainer(_ParallelDecodingTrainer):
                 teacher_all = model(input_ids=inputs["teacher_ids"]).logits
             teacher = teacher_all.gather(1, idx[..., None].expand(-1, -1, teacher_all.shape[-1]))
         loss_c = consistency_loss(student, teacher, inputs["block_mask"], self.args.distance, self.args.beta, n_c)
-        loss_ar = ar_loss(clean[:, :-1], inputs["labels"][:, 1:], num_items_in_batch=n_ar)
+        loss_ar = self._ar_term(clean[:, :-1], inputs["labels"][:, 1:], n_ar, input_ids=inputs["clean_ids"],
+                                attention_mask=inputs["clean_attention_mask"])
         loss = self._combine(inputs, {"consistency_loss": loss_c, "ar_loss": loss_ar}, num_items_in_batch)
         return (loss, {"consistency_loss": loss_c, "ar_loss": loss_ar}) if return_outputs else loss
 
@@ -219,6 +245,7 @@ class ProgressiveConsistencyTrainer(_ParallelDecodingTrainer):
         if data_collator is None and a is not None:
             data_collator = ProgressiveCollator(a.block_size, a.noise_schedule, a.noise_window, a.mask, seed=a.seed)
         super().__init__(*args, data_collator=data_collator, **kwargs)
+        self._setup_ar_target()
 
     def _decoding_config(self):
         a = self.args
@@ -234,6 +261,7 @@ class ProgressiveConsistencyTrainer(_ParallelDecodingTrainer):
         logits = model(input_ids=inputs["input_ids"], position_ids=inputs["position_ids"], attention_mask=mask).logits
         loss_pc = progressive_consistency_loss(logits, inputs["noisy_index"], inputs["clean_index"],
                                                inputs["pair_mask"], self.args.distance, self.args.beta, n_c)
-        loss_ar = ar_loss(logits, inputs["labels"], num_items_in_batch=n_ar)
+        loss_ar = self._ar_term(logits, inputs["labels"], n_ar, input_ids=inputs["input_ids"],
+                                position_ids=inputs["position_ids"], attention_mask=mask)
         loss = self._combine(inputs, {"pc_loss": loss_pc, "ar_loss": loss_ar}, num_items_in_batch)
         return (loss, {"pc_loss": loss_pc, "ar_loss": loss_ar}) if return_outputs else loss
