@@ -26,4 +26,5 @@ def test_doc_examples_run(page, capsys):
 
 def test_docs_have_no_unfilled_placeholders():
     for path in DOCS.rglob("*.md"):
-        assert not re.search(r"\b[A-Z]{4,}_[A-Z_]{4,}\b", path.read_text()), path
+        prose = re.sub(r"```.*?```|`[^`]*`", "", path.read_text(), flags=re.S)  # code may name env variables
+        assert not re.search(r"\b[A-Z0-9]{2,}_[A-Z0-9_]{3,}\b|\b(TBD|TODO|XXX)\b", prose), path
