@@ -103,13 +103,20 @@ class _ParallelDecodingTrainer(Trainer):
     loss_is_scaled_for_ga = True  # compute_loss divides by the step's counts (see the module docstring)
     method: str = ""
 
-    def _setup_ar_target(self):
-        """``ar_target='base_kl'``: a frozen copy of the starting model (replicated on every process)."""
-        self.ref_model = None
+    def __init__(self, *args, data_collator=None, **kwargs):
+        config = kwargs.get("args") or (args[1] if len(args) > 1 else None)
+        if data_collator is None and config is not None:
+            data_collator = self._default_collator(config)
+        super().__init__(*args, data_collator=data_collator, **kwargs)
+        self._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
+        self.ref_model = None  # ar_target='base_kl': a frozen copy of the starting model (on every process)
         if self.args.ar_target == "base_kl":
             import copy
 
             self.ref_model = copy.deepcopy(self.accelerator.unwrap_model(self.model)).eval().requires_grad_(False)
+
+    def _default_collator(self, config):  # pragma: no cover - per subclass
+        raise NotImplementedError
 
     def _ar_term(self, logits, labels, n_ar, **ref_inputs):
         """AR term on ``logits`` aligned with next-token ``labels`` (``-100`` = not counted)."""
@@ -132,24 +139,18 @@ class _ParallelDecodingTrainer(Trainer):
         return counts
 
     def _combine(self, inputs, terms: dict, num_items_in_batch):
-        """Total loss from ``{consistency term name: value, "ar_loss": value}``; records each term's
-        micro-batch mean for logging (averaged over the logging interval, as trl's trainers do)."""
-        (name_c, loss_c), loss_ar = next(iter(terms.items())), terms["ar_loss"]
+        """Total loss from ``{consistency term: value, "ar_loss": value}`` (the order of :meth:`_term_counts`);
+        records each term's micro-batch mean for logging (averaged over the logging interval, as trl does)."""
         mode = "train" if self.model.training else "eval"
         scale = (torch.ones(2) if num_items_in_batch is None
                  else num_items_in_batch.detach().float().cpu() / self._term_counts(inputs).clamp(min=1).float().cpu())
-        self._metrics[mode][name_c].append(float(loss_c.detach()) * float(scale[0]))
-        self._metrics[mode]["ar_loss"].append(float(loss_ar.detach()) * float(scale[1]))
+        for (name, value), factor in zip(terms.items(), scale.tolist()):
+            self._metrics[mode][name].append(float(value.detach()) * factor)
+        loss_c, loss_ar = terms.values()
         loss = loss_c + self.args.ar_weight * loss_ar
         if num_items_in_batch is not None and self.args.world_size > 1:
             loss = loss * self.accelerator.num_processes  # the DDP gradient mean divides it back out
         return loss
-
-    @property
-    def _metrics(self):
-        if "_term_metrics" not in self.__dict__:
-            self._term_metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
-        return self._term_metrics
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         mode = "train" if self.model.training else "eval"
@@ -167,12 +168,16 @@ class _ParallelDecodingTrainer(Trainer):
     def _decoding_config(self) -> ParallelDecodingConfig:  # pragma: no cover - per subclass
         raise NotImplementedError
 
+    def _saved_decoding_config(self) -> ParallelDecodingConfig:
+        config = self._decoding_config()
+        config.base_model_name_or_path = self.args.base_model_name_or_path
+        return config
+
     def _save(self, output_dir=None, state_dict=None):
         super()._save(output_dir, state_dict)
         output_dir = output_dir or self.args.output_dir
         if self.args.should_save:
-            config = self._decoding_config()
-            config.base_model_name_or_path = self.args.base_model_name_or_path
+            config = self._saved_decoding_config()
             config.save_pretrained(output_dir)
             self._write_card(output_dir, config)
 
@@ -194,21 +199,15 @@ class _ParallelDecodingTrainer(Trainer):
         after saving, and the stock card would replace it."""
         if not self.is_world_process_zero():
             return
-        config = self._decoding_config()
-        config.base_model_name_or_path = self.args.base_model_name_or_path
         tags = [tags] if isinstance(tags, str) else list(tags or [])
-        self._write_card(self.args.output_dir, config, model_name, tags)
+        self._write_card(self.args.output_dir, self._saved_decoding_config(), model_name, tags)
 
 
 class ConsistencyTrainer(_ParallelDecodingTrainer):
     method = "cllm"
 
-    def __init__(self, *args, data_collator=None, **kwargs):
-        args_ = kwargs.get("args") or (args[1] if len(args) > 1 else None)
-        if data_collator is None and args_ is not None:
-            data_collator = ConsistencyCollator(args_.block_size, args_.consistency, seed=args_.seed)
-        super().__init__(*args, data_collator=data_collator, **kwargs)
-        self._setup_ar_target()
+    def _default_collator(self, config):
+        return ConsistencyCollator(config.block_size, config.consistency, seed=config.seed)
 
     def _decoding_config(self):
         return ParallelDecodingConfig("jacobi", {"block_size": self.args.block_size})
@@ -233,19 +232,16 @@ class ConsistencyTrainer(_ParallelDecodingTrainer):
         loss_c = consistency_loss(student, teacher, inputs["block_mask"], self.args.distance, self.args.beta, n_c)
         loss_ar = self._ar_term(clean[:, :-1], inputs["labels"][:, 1:], n_ar, input_ids=inputs["clean_ids"],
                                 attention_mask=inputs["clean_attention_mask"])
-        loss = self._combine(inputs, {"consistency_loss": loss_c, "ar_loss": loss_ar}, num_items_in_batch)
-        return (loss, {"consistency_loss": loss_c, "ar_loss": loss_ar}) if return_outputs else loss
+        terms = {"consistency_loss": loss_c, "ar_loss": loss_ar}
+        loss = self._combine(inputs, terms, num_items_in_batch)
+        return (loss, terms) if return_outputs else loss
 
 
 class ProgressiveConsistencyTrainer(_ParallelDecodingTrainer):
     method = "jacobi_forcing"
 
-    def __init__(self, *args, data_collator=None, **kwargs):
-        a = kwargs.get("args") or (args[1] if len(args) > 1 else None)
-        if data_collator is None and a is not None:
-            data_collator = ProgressiveCollator(a.block_size, a.noise_schedule, a.noise_window, a.mask, seed=a.seed)
-        super().__init__(*args, data_collator=data_collator, **kwargs)
-        self._setup_ar_target()
+    def _default_collator(self, c):
+        return ProgressiveCollator(c.block_size, c.noise_schedule, c.noise_window, c.mask, seed=c.seed)
 
     def _decoding_config(self):
         a = self.args
@@ -263,5 +259,6 @@ class ProgressiveConsistencyTrainer(_ParallelDecodingTrainer):
                                                inputs["pair_mask"], self.args.distance, self.args.beta, n_c)
         loss_ar = self._ar_term(logits, inputs["labels"], n_ar, input_ids=inputs["input_ids"],
                                 position_ids=inputs["position_ids"], attention_mask=mask)
-        loss = self._combine(inputs, {"pc_loss": loss_pc, "ar_loss": loss_ar}, num_items_in_batch)
-        return (loss, {"pc_loss": loss_pc, "ar_loss": loss_ar}) if return_outputs else loss
+        terms = {"pc_loss": loss_pc, "ar_loss": loss_ar}
+        loss = self._combine(inputs, terms, num_items_in_batch)
+        return (loss, terms) if return_outputs else loss
