@@ -49,7 +49,7 @@ def _load(args):
         torch.set_num_threads(args.threads)
 
     from .bench import random_model
-    from .loading import EMBEDDED_MODELS, default_model_path, load_model, load_tokenizer
+    from .loading import EMBEDDED_MODELS, default_model_path, load_model, load_tokenizer, resolve_model_path
 
     dtype = getattr(torch, args.dtype)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -58,11 +58,10 @@ def _load(args):
         model = random_model(args.model, vocab_size=len(tokenizer))
         name = args.model
     else:
-        embedded = args.model in EMBEDDED_MODELS
-        path = default_model_path(args.model) if embedded else args.model
+        path = resolve_model_path(args.model)
         model = load_model(path)
         tokenizer = load_tokenizer(path)
-        name = f"{EMBEDDED_MODELS[args.model]} (embedded)" if embedded else str(args.model)
+        name = f"{EMBEDDED_MODELS[args.model]} (embedded)" if args.model in EMBEDDED_MODELS else str(args.model)
     model = model.to(device=device, dtype=dtype).eval()
     return model, tokenizer, name
 
@@ -176,13 +175,12 @@ def _demo(args) -> int:
             config = trained_model.parallel_decoding_config
             print(f"\n=== {trained_name}: the same model after consistency training "
                   f"(docs/training.md); its checkpoint decodes with {config.decoding} {config.settings} ===\n")
-            trained = _demo_part(args, trained_model, tokenizer, trained_name, prompts,
-                                 [StrategySpec("jacobi", {"block_size": 16}), StrategySpec(config.decoding)], {})
+            compared = [StrategySpec("jacobi", demo_settings["jacobi"]), StrategySpec(config.decoding)]
+            trained = _demo_part(args, trained_model, tokenizer, trained_name, prompts, compared, {})
             reports.append(trained)
             print("\nbefore -> after training (tokens per forward, speedup over AR):")
-            for label, before_label in (("jacobi(block_size=16)", "jacobi(block_size=16)"),
-                                        (config.decoding, config.decoding)):
-                b, a = base["results"][before_label], trained["results"][label]
+            for label in (spec.label for spec in compared):  # base: its own defaults; trained: its checkpoint's
+                b, a = base["results"][label], trained["results"][label]
                 print(f"  {label:<24} TPF {b['tpf']:.2f} -> {a['tpf']:.2f}   "
                       f"speedup {b['speedup_vs_ar']:.2f}x -> {a['speedup_vs_ar']:.2f}x")
     exact = all(r["exact_match_vs_ar"] == 1.0 for rep in reports for r in rep["results"].values())

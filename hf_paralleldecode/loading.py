@@ -12,8 +12,8 @@ from pathlib import Path
 from .config import CONFIG_NAME, ParallelDecodingConfig
 from .integration import enable
 
-__all__ = ["load_model", "load_tokenizer", "default_model_path", "load_default_model", "DEFAULT_MODEL_NAME",
-           "EMBEDDED_MODELS"]
+__all__ = ["load_model", "load_tokenizer", "default_model_path", "load_default_model", "resolve_model_path",
+           "DEFAULT_MODEL_NAME", "EMBEDDED_MODELS"]
 
 DEFAULT_MODEL_NAME = "stdlib-coder-8m"
 TRAINED_MODEL_NAME = "stdlib-coder-8m-jacobi-forcing"
@@ -30,6 +30,11 @@ def default_model_path(name: str = "default") -> Path:
     if name not in EMBEDDED_MODELS:
         raise ValueError(f"Unknown embedded model {name!r}; choose one of {sorted(EMBEDDED_MODELS)}.")
     return Path(__file__).parent / "assets" / EMBEDDED_MODELS[name]
+
+
+def resolve_model_path(name_or_path):
+    """The directory of an embedded model for its alias (a key of :data:`EMBEDDED_MODELS`), else the argument."""
+    return default_model_path(name_or_path) if name_or_path in EMBEDDED_MODELS else name_or_path
 
 
 def _find_config(pretrained, hub_kwargs) -> ParallelDecodingConfig | None:

@@ -45,7 +45,7 @@ def train_main(argv: list[str]) -> int:
     from transformers import AutoModelForCausalLM, HfArgumentParser
 
     from .. import training
-    from ..loading import EMBEDDED_MODELS, default_model_path, load_tokenizer
+    from ..loading import EMBEDDED_MODELS, load_tokenizer, resolve_model_path
     from .trajectories import load_trajectories
 
     if len(argv) < 2 or argv[0] != "--config":
@@ -63,10 +63,9 @@ def train_main(argv: list[str]) -> int:
     trainer_cls = getattr(training, METHODS[method][1])
     parser = HfArgumentParser((ScriptArguments, config_cls))
     script, args = parser.parse_args_into_dataclasses(args=_to_argv(recipe) + list(argv[2:]))
-    embedded = script.model_name_or_path in EMBEDDED_MODELS
-    model_path = default_model_path(script.model_name_or_path) if embedded else script.model_name_or_path
+    model_path = resolve_model_path(script.model_name_or_path)
     if args.base_model_name_or_path is None:  # provenance: the embedded model's name, not the alias
-        args.base_model_name_or_path = EMBEDDED_MODELS[script.model_name_or_path] if embedded else str(model_path)
+        args.base_model_name_or_path = EMBEDDED_MODELS.get(script.model_name_or_path, str(model_path))
     model = AutoModelForCausalLM.from_pretrained(model_path, attn_implementation=script.attn_implementation,
                                                  use_safetensors=True)
     dataset = load_trajectories(script.trajectories, drop_degenerate=script.drop_degenerate)
