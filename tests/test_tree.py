@@ -8,7 +8,8 @@ from models import prompts, tiny_model
 
 import hf_paralleldecode as hfpd
 from hf_paralleldecode.decoding.base import start
-from hf_paralleldecode.decoding.tree import chain_tree, pack_trees, walk_tree
+from hf_paralleldecode.decoding.tree import chain_tree, pack_trees
+from hf_paralleldecode.decoding.verify import walk_tree
 
 
 def test_pack_trees_dedupes_prefixes_orders_topologically_and_builds_ancestor_masks():

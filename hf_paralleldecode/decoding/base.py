@@ -15,7 +15,6 @@ What it deliberately does not know
 
 from __future__ import annotations
 
-import inspect
 import time
 from dataclasses import dataclass
 
@@ -25,7 +24,9 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from .cache import SlotCache, prepare_cache
 from .commit import CommitLog
 from .processors import ONE_CALL_PER_TOKEN_PROCESSORS, process_block
-from .tree import PackedTree, walk_tree
+from .target import TargetForward
+from .tree import PackedTree
+from .verify import Verdict, verify_tree
 
 __all__ = ["DecodeRun", "ParallelDecodingOutput", "Proposer", "decode", "start", "check_int_setting"]
 
@@ -102,7 +103,13 @@ def _validate(model, name, input_ids, generation_config, logits_processor, model
 
 
 class DecodeRun:
-    """State of one generate() call shared by every strategy (see module docstring)."""
+    """State of one generate() call shared by every strategy (see module docstring).
+
+    The pieces, one job each: :class:`~.target.TargetForward` (forwards), ``processors``
+    (the user's processors per node), :func:`~.verify.verify_tree` (acceptance),
+    :class:`~.cache.SlotCache` (KV of the accepted path) and :class:`~.commit.CommitLog`
+    (emission in stock order). :meth:`step` wires them for one packed tree.
+    """
 
     def __init__(self, model, name, input_ids, generation_config, logits_processor, log, slots, rows):
         self.model = model
@@ -113,82 +120,57 @@ class DecodeRun:
         self.log = log
         self.slots = slots
         self.rows = rows  # [active] original row ids of the rows still decoding
-        self.num_forward_passes = 0
-        self.model_seconds = 0.0
+        self.target = TargetForward(model)
         self.stats: dict = {}
-        self._forward_takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
 
-    # ---- the target forward and the general greedy verifier ----------------------------------
-    def forward(self, tree: PackedTree) -> torch.Tensor:
-        """One target forward of the packed ``tree`` after each row's committed slots.
+    @property
+    def num_forward_passes(self) -> int:
+        return self.target.num_forward_passes
 
-        Nodes sit at position ``next_position + depth`` and attend to the row's committed slots
-        plus their ancestors; returns fp32 logits ``[active, nodes, vocab]``.
-        """
-        kwargs = {"logits_to_keep": 0} if self._forward_takes_logits_to_keep else {}
-        device = self.model.device
-        positions = self.next_positions()[:, None] + tree.depth
-        t0 = time.perf_counter()
-        out = self.model(
-            input_ids=tree.tokens.to(device),
-            position_ids=positions.to(device),
-            attention_mask=self.slots.attention_mask(tree.mask).to(device),
-            past_key_values=self.slots.cache,
-            use_cache=True,
-            **kwargs,
-        )
-        logits = out.logits.float().to(tree.tokens.device)
-        self.model_seconds += time.perf_counter() - t0
-        self.num_forward_passes += 1
-        return logits
-
+    # ---- one step: forward, processors, acceptance, commit ------------------------------------
     def process(self, logits: torch.Tensor, tree: PackedTree) -> torch.Tensor:
         """Processed scores ``[active, nodes, vocab]`` (see ``processors.process_block``)."""
         if not self.logits_processor:
             return logits
-        histories = [self.history(int(r)) for r in self.rows]
-        return process_block(self.logits_processor, logits, tree, histories, self.rows, self.prompt.shape[0])
+        return process_block(self.logits_processor, logits, tree, self.histories(), self.rows, self.prompt.shape[0])
+
+    def step(self, tree: PackedTree) -> Verdict:
+        """Feed ``tree`` in one target forward, verify it, commit the accepted tokens + one, emit.
+
+        The rule (greedy / sample-then-match / rejection sampling with ``tree.q``) is
+        :func:`~.verify.verify_tree`'s. Returns its :class:`~.verify.Verdict`.
+        """
+        logits = self.target.forward(tree, self.slots, self.next_positions())
+        scores = self.process(logits, tree)
+        verdict = verify_tree(tree, scores, bool(self.generation_config.do_sample), tree.q)
+        self.commit(verdict, scores, logits)
+        return verdict
 
     def verify(self, tree: PackedTree) -> tuple[torch.Tensor, torch.Tensor]:
-        """Feed ``tree``, accept the longest path the target agrees with plus one token, commit, emit.
+        """:meth:`step`, returning ``(choices, num_accepted)`` (kept for drafters written against it)."""
+        verdict = self.step(tree)
+        return verdict.choices, verdict.num_accepted
 
-        The target's choice after every node is its greedy choice (``do_sample=False``) or one
-        independent sample from its processed distribution ``p`` (``do_sample=True``). The walk
-        descends into the child whose token equals the choice; the choice at the last accepted
-        node is the bonus token. With sampling this is "sample, then match": every committed token
-        is a draw from ``p`` given its exact prefix, so the output is distributed exactly as
-        ordinary sampling with the same logits processors (only the random stream differs).
-
-        Returns the ``choices`` ``[active, nodes]`` (the Jacobi update for chains) and
-        ``num_accepted`` ``[active]`` (nodes accepted below the root; the step commits one more).
-        """
-        logits = self.forward(tree)
-        scores = self.process(logits, tree)
-        if self.generation_config.do_sample:
-            probs = torch.softmax(scores, dim=-1)  # [active, nodes, vocab]
-            choices = torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1).reshape(probs.shape[:2])
-        else:
-            choices = scores.argmax(-1)  # [active, nodes]
-        path, num = walk_tree(tree, choices)
-        self.commit_path(path, num, choices, scores, logits)
-        return choices, num
-
-    def commit_path(self, path, num, choices, scores, logits) -> None:
+    def commit(self, verdict: Verdict, scores: torch.Tensor, logits: torch.Tensor) -> None:
         """Commit the accepted path's tokens + bonus (``num + 1`` per row) and keep the path's KV."""
+        path, num = verdict.path, verdict.num_accepted
         idx = path.clamp(min=0)  # [active, depth + 1]; entries past num are ignored
         vocab_idx = idx[..., None].expand(-1, -1, scores.shape[-1])
         self.log.add(
             self.rows,
-            choices.gather(1, idx),
+            verdict.tokens,
             num + 1,
             scores.gather(1, vocab_idx) if self.log.scores is not None else None,
             logits.gather(1, vocab_idx) if self.log.logits is not None else None,
         )
-        keep = torch.zeros_like(choices, dtype=torch.bool)
+        keep = torch.zeros(scores.shape[:2], dtype=torch.bool, device=path.device)
         keep.scatter_(1, idx, path >= 0)
         keep[:, 0] = True  # the root (the last committed token) always gets its KV
         self.slots.commit(keep)
         self.log.emit()
+
+    def histories(self) -> list[torch.Tensor]:
+        return [self.history(int(r)) for r in self.rows]
 
     def history(self, row: int) -> torch.Tensor:
         """Padded prompt + committed tokens of original row ``row`` (what stock would pass processors)."""
@@ -235,7 +217,7 @@ class DecodeRun:
         stats = dict(self.stats)
         stats.update(
             cache_compactions=self.slots.num_compactions,
-            model_seconds=self.model_seconds,
+            model_seconds=self.target.seconds,
             wall_seconds=time.perf_counter() - wall_start,
         )
         return ParallelDecodingOutput(
@@ -290,18 +272,7 @@ def start(
     if log.max_new_tokens == 0:
         return run
 
-    t0 = time.perf_counter()
-    out = model(
-        input_ids=input_ids.to(model.device),
-        attention_mask=attention_mask.to(model.device),
-        position_ids=position_ids.to(model.device),
-        past_key_values=cache,
-        use_cache=True,
-        **({"logits_to_keep": 1} if run._forward_takes_logits_to_keep else {}),
-    )
-    logits = out.logits[:, -1].float().to(input_ids.device)  # [batch, vocab]
-    run.model_seconds += time.perf_counter() - t0
-    run.num_forward_passes += 1
+    logits = run.target.prefill(input_ids, attention_mask, position_ids, cache)  # [batch, vocab]
     scores = logits_processor(input_ids, logits) if logits_processor else logits
     if generation_config.do_sample:
         first = torch.multinomial(torch.softmax(scores, dim=-1), 1).squeeze(1)
@@ -315,9 +286,10 @@ def start(
 class Proposer:
     """What a strategy supplies to :func:`decode`: guesses as a token tree, and what it learns back.
 
-    ``propose()`` returns the :class:`PackedTree` to verify for the active rows;
-    ``update(tree, choices, accepted)`` receives the target's choices after every node and the
-    accepted depth per row; ``select(kept)`` follows ``DecodeRun.drop_finished`` (positions of
+    ``propose()`` returns the :class:`PackedTree` to verify for the active rows (with ``q`` when
+    the drafter sampled its tokens from a distribution); ``update(tree, verdict)`` receives the
+    :class:`~.verify.Verdict` (accepted path, committed tokens, the target's choice after every
+    node): proposers learn what was committed from it, not from the commit log; ``select(kept)`` follows ``DecodeRun.drop_finished`` (positions of
     the active rows that stay); ``stats`` are merged into the output's statistics.
     """
 
@@ -326,7 +298,7 @@ class Proposer:
     def propose(self) -> PackedTree:  # pragma: no cover - interface
         raise NotImplementedError
 
-    def update(self, tree: PackedTree, choices: torch.Tensor, accepted: torch.Tensor) -> None:  # pragma: no cover
+    def update(self, tree: PackedTree, verdict: Verdict) -> None:  # pragma: no cover
         raise NotImplementedError
 
     def select(self, kept: torch.Tensor) -> None:
@@ -349,7 +321,6 @@ def decode(model, name, make_proposer, input_ids, logits_processor, stopping_cri
             if run.rows.numel() == 0:
                 break
             tree = proposer.propose()
-            choices, accepted = run.verify(tree)
-            proposer.update(tree, choices, accepted)
+            proposer.update(tree, run.step(tree))
         run.stats.update(proposer.stats)
     return run.result(bool(generation_config.return_dict_in_generate), wall_start)

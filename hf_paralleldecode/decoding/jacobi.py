@@ -75,8 +75,9 @@ class JacobiProposer(Proposer):
     def select(self, keep: torch.Tensor) -> None:
         self.draft, self.block_left = self.draft[keep], self.block_left[keep]
 
-    def update(self, tree, choices: torch.Tensor, accepted: torch.Tensor) -> None:
-        """Jacobi update after a forward: ``choices [active, width]``, ``accepted [active]``."""
+    def update(self, tree, verdict) -> None:
+        """Jacobi update after a forward: the target's choices ``[active, width]`` and accepted counts."""
+        choices, accepted = verdict.choices, verdict.num_accepted
         width = choices.shape[1]
         idx = (accepted[:, None] + torch.arange(self.n, device=choices.device)).clamp(max=width - 1)
         self.draft = choices.gather(1, idx)  # bonus token, then the Jacobi update of the rest

@@ -109,15 +109,17 @@ class MultiblockProposer(Proposer):
             cands.append([c[:budget] for c in [chain[1:]] + guesses])
         return pack_trees(torch.tensor(roots, device=self.run.rows.device), cands)
 
-    def update(self, tree, choices: torch.Tensor, accepted: torch.Tensor) -> None:
-        choices_l = choices.tolist()
+    def update(self, tree, verdict) -> None:
+        choices_l, committed = verdict.choices.tolist(), verdict.tokens.tolist()
+        counts = (verdict.num_accepted + 1).tolist()
         fills = self.run.sample_context(self.n, self.generator).tolist()
         for i, r in enumerate(self.run.rows.tolist()):
             old = self.chain[r]
             nodes = [0] + tree.candidate_nodes[i][0]  # main-chain node of each chain position
             update = [choices_l[i][m] for m in nodes]  # update[j] = Jacobi guess for chain position j + 1
-            old_root_pos, root_pos = self.root_pos[r], int(self.run.log.count[r]) - 1
-            a = root_pos - old_root_pos  # tokens committed this step (the new root is the bonus token)
+            old_root_pos = self.root_pos[r]
+            a = min(counts[i], self._limit(r) - 1 - old_root_pos)  # committed this step (the new root is the bonus)
+            root_pos = old_root_pos + a
             # convergence of the newest block: its committed positions (the new root included) plus
             # its next positions that the Jacobi update reproduced under the (noisy) old chain
             ends = self.ends[r]
@@ -133,7 +135,7 @@ class MultiblockProposer(Proposer):
                 main += 1
             self.stats["recycled_wins"] += int(a - 1 > main)
             # Jacobi update of the rest of the chain; recycle its n-grams
-            bonus = int(self.run.log.tokens[r, root_pos])
+            bonus = committed[i][a - 1]
             new_chain = [bonus] + update[a : len(nodes) - 1]
             if self.pool_size:
                 for j in range(1, len(new_chain) - 1):  # tail n-grams are shorter, never empty

@@ -82,14 +82,14 @@ class LookaheadProposer(Proposer):
             cands.append(row)
         return pack_trees(torch.tensor(roots, device=self.run.rows.device), cands)
 
-    def update(self, tree, choices: torch.Tensor, accepted: torch.Tensor) -> None:
+    def update(self, tree, verdict) -> None:
         """Collect n-grams, move levels up, slide by the committed tokens, refill freed columns.
 
         A column whose top node the token budget cut (end of generation) gets no new token this
         step and is refilled. A refilled column holds context tokens, not Jacobi output, in every
         level: its n-grams enter the pool only after ``N - 2`` updates made its levels genuine.
         """
-        choices_l, accepted_l = choices.tolist(), accepted.tolist()
+        choices_l, accepted_l = verdict.choices.tolist(), verdict.num_accepted.tolist()
         fills = self.run.sample_context(self.W, self.generator).tolist()
         for i, r in enumerate(self.run.rows.tolist()):
             levels, ages, fill = self.levels[r], self.ages[r], fills[i]

@@ -6,16 +6,16 @@ What it is for
     row's candidates into a trie (shared prefixes stored once), lays the nodes out along the
     sequence axis in topological order and gives each node its depth (position offset) and its
     ancestors-or-self attention row. :func:`chain_tree` builds the degenerate one-path tree of a
-    Jacobi block without Python loops. :func:`walk_tree` walks from the root along the
-    children whose token equals the target's choice (greedy, or sampled) and returns the accepted
-    path plus the bonus token. The KV of exactly the path's nodes is then kept by ``SlotCache.commit``.
+    Jacobi block without Python loops. Acceptance is ``verify.py``'s; the KV of exactly the
+    accepted path's nodes is then kept by ``SlotCache.commit``.
 
 Shapes (``batch`` rows, ``nodes`` packed nodes per row, node 0 is always the root)
     ``tokens``, ``parents``, ``depth``: ``[batch, nodes]``; ``mask``: ``[batch, nodes, nodes]``.
     Rows with fewer nodes are padded with *filler* nodes (parent ``-1``, attend to themselves only).
+    Siblings are laid out in the order they should be tried (their draw order, for drafters with ``q``).
 
 What it deliberately does not know
-    Where candidates come from, and how the choices were made (argmax or sampling).
+    Where candidates come from, and how they are accepted.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["PackedTree", "pack_trees", "chain_tree", "walk_tree"]
+__all__ = ["PackedTree", "pack_trees", "chain_tree"]
 
 
 @dataclass
@@ -37,6 +37,7 @@ class PackedTree:
     mask: torch.Tensor  # [batch, nodes, nodes] bool: node i attends to node j (ancestor or self)
     is_chain: bool = False  # every row is a single path laid out in order (a Jacobi block)
     candidate_nodes: list[list[list[int]]] | None = None  # per row, per candidate: node of each token
+    q: torch.Tensor | None = None  # [batch, nodes, vocab] draft probabilities each node's children were drawn from
 
     @property
     def width(self) -> int:
@@ -124,41 +125,3 @@ def pack_trees(
             mask[b, node, node] = True
     num_nodes = torch.tensor([len(t) for t in rows_tokens], device=device)
     return PackedTree(tokens, parents, depth, num_nodes, mask, candidate_nodes=rows_nodes)
-
-
-def walk_tree(tree: PackedTree, choices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Walk each row's tree along the target's choices (greedy argmax or samples, one per node).
-
-    Args:
-        tree: the packed trees that were fed.
-        choices: ``[batch, nodes]`` the target's choice after each node.
-
-    Returns:
-        ``path`` ``[batch, max_depth + 1]``: accepted node indices from the root (``-1`` past the
-        end); ``num_accepted`` ``[batch]``: accepted nodes below the root. The step commits the
-        accepted nodes' tokens plus the bonus token ``choices[row, path[row, num_accepted]]``.
-    """
-    batch = choices.shape[0]
-    device = choices.device
-    if tree.is_chain:  # fast path: leading matches of a single path
-        from .verify import match_prefix
-
-        num = match_prefix(tree.tokens[:, 1:], choices[:, :-1], tree.num_nodes - 1)
-        idx = torch.arange(tree.width, device=device)[None]
-        return torch.where(idx <= num[:, None], idx, -1), num
-    real = tree.real
-    cur = torch.zeros(batch, dtype=torch.long, device=device)
-    going = torch.ones(batch, dtype=torch.bool, device=device)
-    num = torch.zeros(batch, dtype=torch.long, device=device)
-    path = [cur]
-    for _ in range(int(tree.depth.max())):
-        want = choices.gather(1, cur[:, None])  # [batch, 1]
-        child = (tree.parents == cur[:, None]) & (tree.tokens == want) & real
-        found = child.any(1) & going
-        cur = torch.where(found, child.long().argmax(1), cur)
-        num += found.long()
-        going &= found
-        path.append(torch.where(found, cur, -1))
-        if not bool(going.any()):
-            break
-    return torch.stack(path, dim=1), num

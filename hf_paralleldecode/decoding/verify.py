@@ -1,16 +1,64 @@
-"""Prefix matching, the chain fast path of the tree walk (``tree.walk_tree``).
+"""Acceptance: the one module that decides which drafted tokens a step commits, for every drafter.
 
-Glossary (one notation everywhere): the target's distribution is ``p``; a step feeds the last
-committed token followed by guessed tokens; *accepted* tokens are the leading guesses that equal
-the target's choice; the *bonus* token is the target's choice right after the accepted ones.
-A step therefore commits ``accepted + 1`` tokens.
+Glossary (one notation everywhere, vLLM style)
+    ``p``         the target's distribution after a node (its logits after the user's processors).
+    ``q``         the distribution a drafter *sampled* a node's children from (after the same
+                  processors, applied along that node's own path); only learned drafters carry it.
+    root          node 0 of each row's tree: the last committed token (its KV is not cached yet).
+    accepted      drafted tokens on the path from the root that pass the rule below.
+    bonus token   the target's token after the last accepted node when that node has no child
+                  left to try (a leaf): a draw from ``p`` (greedy: its argmax).
+    recovered     the token drawn from the final residual when every child of the last accepted
+                  node was rejected (rejection sampling only; greedy/matching call it bonus too).
+    A step commits ``accepted + 1`` tokens: the accepted ones, then the bonus / recovered token.
+
+The three rules (:func:`verify_tree` picks one; nothing else accepts tokens)
+    * greedy (``do_sample=False``): descend into the child whose token equals ``argmax p``; the
+      argmax at the last accepted node is the bonus token. Output = ``generate(do_sample=False)``.
+    * sample-then-match (``do_sample=True``, drafts without ``q``: Jacobi blocks, n-grams): draw
+      one token from ``p`` at every node and descend into the child holding it. Every committed
+      token is a draw from ``p`` given its exact prefix, so the output is distributed as stock
+      sampling.
+    * multi-draft rejection sampling (``do_sample=True``, drafts with ``q``: draft heads,
+      diffusion drafters): at the current node with residual ``r`` (initially ``p``), try the
+      children in the order they were drawn (without replacement) from ``q``: accept child ``y``
+      with probability ``min(1, r(y) / q(y))``; on rejection ``r <- norm(max(r - q, 0))`` and
+      ``q <- q`` with ``y`` removed (renormalised), then try the next sibling. When every child is
+      rejected the recovered token is drawn from ``r``; a leaf's bonus token is drawn from ``p``.
+      This is recursive rejection sampling without replacement: lossless *provided* the children
+      of a node are a prefix of a without-replacement sample from its ``q`` whose length does not
+      depend on the children's own values (the draft-head tree builder guarantees both).
+
+Shapes
+    ``tokens``/``parents``/``depth`` ``[batch, nodes]`` (the :class:`~.tree.PackedTree`),
+    ``scores`` (processed target logits) ``[batch, nodes, vocab]``,
+    ``q`` ``[batch, nodes, vocab]``: ``q[b, v]`` is the distribution node ``v``'s children were drawn from.
+    Results: ``path`` ``[batch, max_depth + 1]`` accepted nodes from the root (``-1`` past the end),
+    ``num_accepted`` ``[batch]``, ``tokens`` ``[batch, max_depth + 1]``: the committed tokens
+    (the first ``num_accepted + 1`` of each row are valid).
+
+What it deliberately does not know
+    Where drafts come from, the KV cache, and how committed tokens are emitted.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-__all__ = ["match_prefix"]
+__all__ = ["Verdict", "verify_tree", "walk_tree", "rejection_walk", "match_prefix", "residual"]
+
+
+@dataclass
+class Verdict:
+    """What one verification decided, per active row."""
+
+    path: torch.Tensor  # [batch, max_depth + 1] accepted nodes from the root, -1 past the end
+    num_accepted: torch.Tensor  # [batch] accepted drafted tokens (the step commits one more)
+    tokens: torch.Tensor  # [batch, max_depth + 1] committed tokens (first num_accepted + 1 valid)
+    choices: torch.Tensor  # [batch, nodes] the target's token after every node (greedy / matching);
+    #                        under rejection sampling, the argmax of p off the accepted path
 
 
 def match_prefix(
@@ -22,3 +70,128 @@ def match_prefix(
     cols = torch.arange(guesses.shape[1], device=guesses.device)
     match = (guesses == choices) & (cols[None, :] < num_guesses[:, None])
     return match.long().cumprod(dim=1).sum(dim=1)
+
+
+def walk_tree(tree, choices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Walk each row's tree along the target's choices (greedy argmax or samples, one per node).
+
+    Returns ``path`` ``[batch, max_depth + 1]`` and ``num_accepted`` ``[batch]`` (see module docstring);
+    the bonus token is ``choices[row, path[row, num_accepted]]``.
+    """
+    batch = choices.shape[0]
+    device = choices.device
+    if tree.is_chain:  # fast path: leading matches of a single path
+        num = match_prefix(tree.tokens[:, 1:], choices[:, :-1], tree.num_nodes - 1)
+        idx = torch.arange(tree.width, device=device)[None]
+        return torch.where(idx <= num[:, None], idx, -1), num
+    real = tree.real
+    cur = torch.zeros(batch, dtype=torch.long, device=device)
+    going = torch.ones(batch, dtype=torch.bool, device=device)
+    num = torch.zeros(batch, dtype=torch.long, device=device)
+    path = [cur]
+    for _ in range(int(tree.depth.max())):
+        want = choices.gather(1, cur[:, None])  # [batch, 1]
+        child = (tree.parents == cur[:, None]) & (tree.tokens == want) & real
+        found = child.any(1) & going
+        cur = torch.where(found, child.long().argmax(1), cur)
+        num += found.long()
+        going &= found
+        path.append(torch.where(found, cur, -1))
+        if not bool(going.any()):
+            break
+    return torch.stack(path, dim=1), num
+
+
+def residual(r: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """``norm(max(r - q, 0))`` per row (``[n, vocab]``); rows where it vanishes (``r == q``) keep ``r``."""
+    res = (r - q).clamp_(min=0)
+    total = res.sum(-1, keepdim=True)
+    return torch.where(total > 0, res / total.clamp(min=1e-30), r)
+
+
+def _remove(q: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+    """``q`` with ``token`` removed and renormalised (``q [n, vocab]``, ``token [n]``)."""
+    q = q.scatter(1, token[:, None], 0.0)
+    total = q.sum(-1, keepdim=True)
+    return torch.where(total > 0, q / total.clamp(min=1e-30), q)
+
+
+def rejection_walk(tree, p: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Multi-draft rejection sampling down each row's tree (see module docstring).
+
+    Args:
+        tree: the packed trees that were fed; siblings are tried in node order (their draw order).
+        p: ``[batch, nodes, vocab]`` target probabilities after every node.
+        q: ``[batch, nodes, vocab]`` draft probabilities each node's children were drawn from.
+
+    Returns ``path``, ``num_accepted`` and ``next_token`` ``[batch]`` (the bonus / recovered token).
+    """
+    batch, width, _ = p.shape
+    device = p.device
+    real = tree.real
+    rows = torch.arange(batch, device=device)
+    node_idx = torch.arange(width, device=device)[None]
+    cur = torch.zeros(batch, dtype=torch.long, device=device)
+    going = torch.ones(batch, dtype=torch.bool, device=device)
+    num = torch.zeros(batch, dtype=torch.long, device=device)
+    path = [cur.clone()]
+    next_token = torch.zeros(batch, dtype=torch.long, device=device)
+    while bool(going.any()):
+        r = p[rows, cur].clone()  # [batch, vocab] residual at the current node
+        qc = q[rows, cur].clone()
+        children = (tree.parents == cur[:, None]) & real & going[:, None]  # [batch, nodes]
+        rank = children.long().cumsum(1)
+        accepted_child = torch.full((batch,), -1, dtype=torch.long, device=device)
+        for k in range(1, int(rank.max()) + 1 if children.any() else 1):
+            is_k = children & (rank == k)
+            trying = is_k.any(1) & (accepted_child < 0)
+            if not bool(trying.any()):
+                break
+            child = torch.where(is_k, node_idx, width).min(1).values.clamp(max=width - 1)  # [batch]
+            y = tree.tokens[rows, child]
+            ry, qy = r.gather(1, y[:, None]).squeeze(1), qc.gather(1, y[:, None]).squeeze(1)
+            accept_prob = torch.where(qy > 0, (ry / qy.clamp(min=1e-30)).clamp(max=1.0), (ry > 0).float())
+            ok = trying & (torch.rand(batch, device=device) < accept_prob)
+            accepted_child = torch.where(ok, child, accepted_child)
+            rejected = trying & ~ok
+            r = torch.where(rejected[:, None], residual(r, qc), r)
+            qc = torch.where(rejected[:, None], _remove(qc, y), qc)
+        stop = going & (accepted_child < 0)
+        if bool(stop.any()):
+            draw = torch.multinomial(r, 1).squeeze(1)
+            next_token = torch.where(stop, draw, next_token)
+        moved = going & (accepted_child >= 0)
+        cur = torch.where(moved, accepted_child, cur)
+        num += moved.long()
+        going = moved
+        path.append(torch.where(moved, cur, -1))
+    return torch.stack(path, dim=1), num, next_token
+
+
+def verify_tree(tree, scores: torch.Tensor, do_sample: bool, q: torch.Tensor | None = None) -> Verdict:
+    """Apply the rule that fits (greedy / sample-then-match / rejection sampling) to one packed tree.
+
+    ``scores`` ``[batch, nodes, vocab]`` are the target's processed scores; ``q`` the drafter's
+    probabilities (sampling only; ignored when greedy, where acceptance is exact match).
+    """
+    if do_sample and q is not None:
+        probs = torch.softmax(scores, dim=-1)
+        path, num, nxt = rejection_walk(tree, probs, q)
+        choices = scores.argmax(-1)
+    else:
+        if do_sample:
+            probs = torch.softmax(scores, dim=-1)  # [batch, nodes, vocab]
+            choices = torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1).reshape(probs.shape[:2])
+        else:
+            choices = scores.argmax(-1)  # [batch, nodes]
+        path, num = walk_tree(tree, choices)
+        nxt = choices.gather(1, path.gather(1, num[:, None]).clamp(min=0)).squeeze(1)
+    # committed tokens: the accepted nodes' tokens (below the root), then the bonus / recovered token
+    idx = path.clamp(min=0)
+    tokens = tree.tokens.gather(1, idx)[:, 1:]
+    tokens = torch.cat([tokens, tokens.new_zeros(tokens.shape[0], 1)], dim=1)
+    tokens.scatter_(1, num[:, None], nxt[:, None])
+    if do_sample and q is not None:  # on the accepted path, the choice after a node is the committed token
+        valid = path >= 0
+        choices = choices.scatter(1, idx, torch.where(valid, tokens, tokens[:, :1]))
+    return Verdict(path=path, num_accepted=num, tokens=tokens, choices=choices)

@@ -92,8 +92,8 @@ class _RecordingJacobi(JacobiProposer):
                 self.states[r].append(state)
         return super().propose()
 
-    def update(self, tree, choices, accepted):
-        super().update(tree, choices, accepted)
+    def update(self, tree, verdict):
+        super().update(tree, verdict)
         log = self.run.log
         for r in self.run.rows.tolist():
             count = int(log.count[r])
