@@ -20,6 +20,9 @@ _LAZY = {
     "jacobi": "decoding.jacobi",
     "jacobi_forcing": "decoding.jacobi_forcing",
     "lookahead": "decoding.lookahead",
+    "speculative": "decoding.speculative",
+    "DraftHead": "drafters.head",
+    "DraftHeadConfig": "drafters.head",
     "ParallelDecodingOutput": "decoding.base",
     "ParallelDecodingConfig": "config",
     "load_model": "loading",
@@ -29,6 +32,8 @@ _LAZY = {
 }
 
 __all__ = [
+    "DraftHead",
+    "DraftHeadConfig",
     "ParallelDecodingConfig",
     "ParallelDecodingMixin",
     "ParallelDecodingOutput",
@@ -45,6 +50,7 @@ __all__ = [
     "load_tokenizer",
     "lookahead",
     "register_decoding",
+    "speculative",
 ]
 
 
@@ -52,8 +58,10 @@ def _register_builtin_strategies(registry) -> None:
     from .decoding.jacobi import jacobi
     from .decoding.jacobi_forcing import jacobi_forcing
     from .decoding.lookahead import lookahead
+    from .decoding.speculative import speculative
 
     registry.register_decoding("jacobi", jacobi, overwrite=True)
+    registry.register_decoding("speculative", speculative, overwrite=True)
     registry.register_decoding("jacobi_forcing", jacobi_forcing, overwrite=True)
     registry.register_decoding("lookahead", lookahead, overwrite=True)
 
@@ -77,6 +85,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from .decoding.jacobi import jacobi
     from .decoding.jacobi_forcing import jacobi_forcing
     from .decoding.lookahead import lookahead
+    from .decoding.speculative import speculative
+    from .drafters.head import DraftHead, DraftHeadConfig
     from .integration import ParallelDecodingMixin, enable, is_enabled
     from .loading import default_model_path, load_default_model, load_model, load_tokenizer
     from .registry import available_decodings, get_decoding, register_decoding

@@ -266,6 +266,7 @@ def start(
     rows = torch.arange(batch, device=input_ids.device)
     run = DecodeRun(model, name, input_ids, generation_config, logits_processor, log, slots, rows)
     run.prompt_mask = attention_mask.bool()  # [batch, prompt_len]
+    run.prompt_positions = position_ids  # [batch, prompt_len]
     # Stock generation continues each row's position ids from the prompt's last one; with left
     # padding that equals the number of real tokens, in general it is offset from it.
     run.position_offset = position_ids[:, -1] + 1 - attention_mask.long().sum(-1)  # [batch]

@@ -23,7 +23,8 @@ from __future__ import annotations
 import torch
 from transformers.generation import logits_process as lp
 
-__all__ = ["process_block", "PREFIX_INDEPENDENT_PROCESSORS", "ONE_CALL_PER_TOKEN_PROCESSORS"]
+__all__ = ["process_block", "process_prefixes", "prefix_independent", "PREFIX_INDEPENDENT_PROCESSORS",
+           "ONE_CALL_PER_TOKEN_PROCESSORS"]
 
 # Processors that assume exactly one call per generated token, in order (they run the model
 # themselves, or keep state across calls): refused by every strategy, with the reason.
@@ -66,18 +67,16 @@ def process_block(
     processor call on a full-size batch ``[batch_size, length]`` in which every participating row
     sits at its own index (the other rows are placeholders whose output is discarded), so
     processors see exactly the layout stock generation gives them, batch-indexed state included.
-    Two nodes of one row at the same depth go to separate calls.
+    (see :func:`process_prefixes`).
     """
     if not logits_processor:
         return logits
     active, width, vocab = logits.shape
-    if all(isinstance(p, PREFIX_INDEPENDENT_PROCESSORS) for p in logits_processor):
+    if prefix_independent(logits_processor):
         flat = logits.reshape(active * width, vocab)
         return logits_processor(tree.tokens.reshape(active * width, 1), flat).reshape(active, width, vocab)
-    out = logits.clone()
-    calls: list[dict[int, tuple[int, int, torch.Tensor]]] = []  # per call: original row -> (i, node, prefix)
-    by_length: dict[int, list[int]] = {}  # prefix length -> indices into calls
     num_nodes = tree.num_nodes.tolist()
+    index, prefixes, owners = [], [], []
     row_ids = rows.tolist()
     for i in range(active):
         for j in range(num_nodes[i]):
@@ -85,21 +84,60 @@ def process_block(
                 suffix = tree.tokens[i, 1 : j + 1]
             else:
                 suffix = torch.tensor(tree.path_tokens(i, j), dtype=torch.long, device=logits.device)
-            prefix = torch.cat([histories[i], suffix])
-            slot = next((c for c in by_length.get(prefix.shape[0], []) if row_ids[i] not in calls[c]), None)
-            if slot is None:
-                slot = len(calls)
-                calls.append({})
-                by_length.setdefault(prefix.shape[0], []).append(slot)
-            calls[slot][row_ids[i]] = (i, j, prefix)
+            index.append((i, j))
+            prefixes.append(torch.cat([histories[i], suffix]))
+            owners.append(row_ids[i])
+    out = logits.clone()
+    if index:
+        ii = torch.tensor([a for a, _ in index], device=logits.device)
+        jj = torch.tensor([b for _, b in index], device=logits.device)
+        out[ii, jj] = process_prefixes(logits_processor, logits[ii, jj], prefixes, owners, batch_size)
+    return out
+
+
+def prefix_independent(logits_processor) -> bool:
+    """True when every processor scores from the logits alone (one flattened call is exact)."""
+    return all(isinstance(p, PREFIX_INDEPENDENT_PROCESSORS) for p in logits_processor)
+
+
+def process_prefixes(
+    logits_processor,
+    logits: torch.Tensor,  # [n, vocab] raw logits of n positions
+    prefixes: list[torch.Tensor],  # per position: the ids stock generation would pass (padded prompt + tokens)
+    rows: list[int],  # per position: its row in the original batch
+    batch_size: int,  # rows of the original batch (what processors were built for)
+) -> torch.Tensor:
+    """Processed ``[n, vocab]``: each position as stock would score it, given its own prefix.
+
+    Positions are grouped by prefix length; each group is one processor call on a full-size batch
+    ``[batch_size, length]`` in which every participating row sits at its own index (the other
+    rows are placeholders whose output is discarded), so processors see exactly the layout stock
+    generation gives them, batch-indexed state included. Two positions of one row with the same
+    prefix length go to separate calls.
+    """
+    if not logits_processor:
+        return logits
+    if prefix_independent(logits_processor):
+        return logits_processor(torch.zeros(logits.shape[0], 1, dtype=torch.long, device=logits.device), logits)
+    vocab = logits.shape[-1]
+    out = logits.clone()
+    calls: list[dict[int, int]] = []  # per call: original row -> position
+    by_length: dict[int, list[int]] = {}  # prefix length -> indices into calls
+    for k, (prefix, row) in enumerate(zip(prefixes, rows)):
+        slot = next((c for c in by_length.get(prefix.shape[0], []) if row not in calls[c]), None)
+        if slot is None:
+            slot = len(calls)
+            calls.append({})
+            by_length.setdefault(prefix.shape[0], []).append(slot)
+        calls[slot][row] = k
     for call in calls:
-        (i0, j0, p0) = next(iter(call.values()))
-        ids = p0.expand(batch_size, p0.shape[0]).clone()
-        scores = logits[i0, j0].expand(batch_size, vocab).clone()
-        for row, (i, j, prefix) in call.items():
-            ids[row] = prefix
-            scores[row] = logits[i, j]
+        k0 = next(iter(call.values()))
+        ids = prefixes[k0].expand(batch_size, prefixes[k0].shape[0]).clone()
+        scores = logits[k0].expand(batch_size, vocab).clone()
+        for row, k in call.items():
+            ids[row] = prefixes[k]
+            scores[row] = logits[k]
         processed = logits_processor(ids, scores)
-        for row, (i, j, _) in call.items():
-            out[i, j] = processed[row]
+        for row, k in call.items():
+            out[k] = processed[row]
     return out

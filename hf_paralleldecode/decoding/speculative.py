@@ -1,0 +1,346 @@
+"""Speculative decoding with a draft head: the head drafts a token tree, the target verifies it in one forward.
+
+Per step (rows run independently; ``cache.py`` explains how they share one cache)
+    1. The head receives the target features of the tokens committed last step (from the
+       verification forward itself, through :class:`~.target.HiddenStateTaps`: never an extra
+       target forward) and keeps them as context keys/values in its own cache, so the prefix is
+       never re-projected. After the prefill the context is the prompt.
+    2. The tree is grown best-first under the cumulative draft log-probability
+       (:class:`~.draft_tree.TreeBuilder`; JetSpec Algorithm 1, Eq. 15) within ``tree_budget``
+       drafted nodes, ``tree_width`` children per node and ``tree_depth`` levels:
+       * ``block_bidirectional`` head (DFlash): ONE head forward over ``[root, MASK x block]``
+         gives per-depth marginals; a node's children come from the marginal of the next depth
+         (DDTree's product of marginals; ``tree_width=1`` gives DFlash's chain).
+       * ``tree_causal`` head (JetSpec): branch-conditioned (Eq. 10). Nodes are evaluated in
+         *waves*: each wave is one head forward over the nodes the builder needs (a real-token slot
+         per node plus a MASK query slot under it, tree-causal mask, the earlier waves' slots
+         kept in the head cache), so a tree costs one head forward per wave, at most
+         ``tree_depth`` (in practice about its depth; ``stats["head_forwards_per_step"]``).
+       The user's logits processors shape ``q`` along each node's own path, as they shape ``p``.
+       With sampling, children are drawn without replacement from the processed ``q`` (Gumbel
+       top-``W``) and the tree carries ``q``; greedy trees take the top-``W`` children.
+    3. The target verifies the tree in one forward (``verify.py``: exact match when greedy,
+       multi-draft rejection sampling with ``q`` when sampling) and keeps the accepted path's KV;
+       the head keeps the accepted path's features and drops its block slots.
+
+Statistics (``output.stats``): ``mean_accepted_length`` (tau: accepted drafted tokens + 1 per
+step, the seeds' convention), ``head_forwards_per_step``, ``drafting_cost`` (c = (T_draft / N) /
+T_verify, JetSpec Appendix G, with N the drafted nodes), ``head_seconds``, ``draft_host_seconds``.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from transformers.cache_utils import DynamicCache
+
+from .base import Proposer, check_int_setting, decode
+from .cache import SlotCache
+from .draft_tree import TreeBuilder
+from .processors import process_prefixes
+from .target import HiddenStateTaps
+from .tree import PackedTree
+
+__all__ = ["speculative"]
+
+
+def _check_settings(model, drafter, tree_budget, tree_width, tree_depth):
+    from ..drafters.head import DraftHead
+
+    if drafter is None:
+        raise ValueError(
+            'decoding="speculative" needs a drafter: pass drafter=<DraftHead> (hf_paralleldecode.DraftHead.from_pretrained'
+            "(...) or DraftHead.for_target(model)), or load a bundle with hfpd.load_model(dir) that names one."
+        )
+    if not isinstance(drafter, DraftHead):
+        raise ValueError(f"`drafter` must be a hf_paralleldecode.DraftHead, got {type(drafter).__name__}.")
+    drafter.check_target(model)
+    check_int_setting("tree_budget", tree_budget, 1)
+    check_int_setting("tree_width", tree_width, 1)
+    depth = drafter.config.block_size if tree_depth is None else tree_depth
+    check_int_setting("tree_depth", depth, 1)
+    if drafter.config.attention == "block_bidirectional" and depth > drafter.config.block_size:
+        raise ValueError(
+            f"tree_depth={depth} exceeds the block_bidirectional head's block_size={drafter.config.block_size}: "
+            "one block drafts at most block_size positions. Lower tree_depth."
+        )
+    return depth
+
+
+class _HeadContext:
+    """The head's KV cache: committed context slots (valid per row) + this step's block slots."""
+
+    def __init__(self, head, batch: int, device):
+        self.head = head
+        self.slots = SlotCache(DynamicCache(), torch.zeros(batch, 0, dtype=torch.bool, device=device), head.dtype)
+        self.new_feats = None  # [b, n, F] features not yet in the cache
+        self.new_pos = None  # [b, n]
+        self.new_valid = None  # [b, n]
+        self.block = 0  # block slots appended this step
+        self.forwards = 0
+        self.seconds = 0.0
+
+    def add_context(self, feats, positions, valid):
+        self.new_feats, self.new_pos, self.new_valid = feats, positions, valid.bool()
+
+    def run(self, ids, positions, visible) -> torch.Tensor:
+        """One head forward over new block slots; ``visible`` ``[b, s, block + s]`` (bool) among block slots."""
+        b, s = ids.shape
+        device = ids.device
+        feats = self.new_feats if self.new_feats is not None else torch.zeros(
+            b, 0, self.head.config.target_hidden_size * len(self.head.config.target_layer_ids), device=device)
+        new_pos = self.new_pos if self.new_pos is not None else torch.zeros(b, 0, dtype=torch.long, device=device)
+        new_valid = self.new_valid if self.new_valid is not None else torch.zeros(b, 0, dtype=torch.bool,
+                                                                                  device=device)
+        n_ctx = self.slots.num_slots
+        ctx_valid = torch.cat([self.slots.valid, new_valid], dim=1)  # [b, all ctx]
+        allowed = torch.cat([ctx_valid[:, None, :].expand(b, s, ctx_valid.shape[1]), visible], dim=-1)
+        mask = torch.zeros(allowed.shape, dtype=self.head.dtype, device=device)
+        mask.masked_fill_(~allowed, torch.finfo(self.head.dtype).min)
+        t0 = time.perf_counter()
+        hidden = self.head(self.head.embed(ids), feats, mask[:, None], torch.cat([new_pos, positions], dim=1),
+                           self.slots.cache)
+        self.seconds += time.perf_counter() - t0
+        self.forwards += 1
+        if self.new_feats is not None:
+            self.slots.valid = torch.cat([self.slots.valid, new_valid], dim=1)
+            self.new_feats = self.new_pos = self.new_valid = None
+        assert self.slots.cache.get_seq_length() == n_ctx + feats.shape[1] + self.block + s
+        self.block += s
+        return hidden
+
+    def end_step(self):
+        if self.block:
+            self.slots.cache.crop(-self.block)
+            self.block = 0
+        if self.slots._holes_worth_compacting():
+            self.slots.compact()
+
+    def select_rows(self, keep):
+        self.slots.select_rows(keep)
+
+
+class DraftHeadProposer(Proposer):
+    def __init__(self, run, head, taps, budget, width, depth):
+        self.run, self.head, self.taps = run, head, taps
+        self.budget, self.width, self.depth = budget, width, depth
+        self.sample = bool(run.generation_config.do_sample)
+        self.causal = head.config.attention == "tree_causal"
+        self.mask_id = head.config.mask_token_id
+        rows = run.rows
+        self.ctx = _HeadContext(head, rows.shape[0], rows.device)
+        feats = taps.features()  # [batch, prompt_len, F] from the prefill
+        self.ctx.add_context(feats.to(rows.device), run.prompt_positions, run.prompt_mask)
+        self.roots = run.log.tokens[rows, 0].clone()  # [active] the first token, committed by the prefill
+        self.steps, self.drafted_nodes, self.accepted, self.row_steps, self.host = 0, 0, 0, 0, 0.0
+
+    def select(self, kept):
+        self.roots = self.roots[kept]
+        self.ctx.select_rows(kept)
+        if self.ctx.new_feats is not None:
+            c = self.ctx
+            c.new_feats, c.new_pos, c.new_valid = c.new_feats[kept], c.new_pos[kept], c.new_valid[kept]
+
+    # ---- children distributions --------------------------------------------------------------
+    def _children(self, logits, prefixes, rows):
+        """Processed ``q`` and the children lists (try order) for ``n`` nodes: ``logits [n, V]``."""
+        run = self.run
+        scores = process_prefixes(run.logits_processor, logits, prefixes, rows, run.prompt.shape[0])
+        logq = torch.log_softmax(scores, dim=-1)
+        keys = logq
+        if self.sample:
+            keys = logq - torch.empty_like(logq).exponential_().log()  # Gumbel: draws without replacement
+        top = keys.topk(min(self.width, keys.shape[-1]), dim=-1)
+        top_logq = logq.gather(1, top.indices)
+        toks, lqs, finite = top.indices.tolist(), top_logq.tolist(), torch.isfinite(top_logq).tolist()
+        kids = [[(t, lq) for t, lq, ok in zip(ts, ls, fs) if ok] for ts, ls, fs in zip(toks, lqs, finite)]
+        return (logq.exp() if self.sample else None), kids
+
+    # ---- one step ---------------------------------------------------------------------------------
+    def propose(self) -> PackedTree:
+        run = self.run
+        t_start = time.perf_counter()
+        head_before = self.ctx.seconds
+        self.root_pos = run.next_positions()  # [active]
+        budgets = (run.log.max_new_tokens - run.log.count[run.rows]).tolist()
+        roots = self.roots.tolist()
+        builders = [TreeBuilder(r, self.budget, self.width, max(min(self.depth, b), 0), exact=not self.sample)
+                    for r, b in zip(roots, budgets)]
+        histories = run.histories()
+        row_ids = run.rows.tolist()
+        q_store: dict[tuple[int, int], torch.Tensor] = {}
+        if self.causal:
+            self._grow_causal(builders, histories, row_ids, q_store)
+        else:
+            self._grow_marginals(builders, histories, row_ids, q_store)
+        self.ctx.end_step()
+        tree = self._pack(builders, q_store)
+        self.steps += 1
+        self.drafted_nodes += int((tree.num_nodes - 1).sum())
+        self.host += time.perf_counter() - t_start - (self.ctx.seconds - head_before)
+        return tree
+
+    def _evaluate(self, builders, wanted, logits_of, histories, row_ids, q_store):
+        """Give every wanted node its children; ``logits_of(i, node)`` -> raw ``[V]`` logits."""
+        flat = [(i, v) for i, nodes in enumerate(wanted) for v in nodes]
+        if not flat:
+            return
+        logits = torch.stack([logits_of(i, v) for i, v in flat])
+        prefixes = [torch.cat([histories[i], torch.tensor([builders[i].tokens[u] for u in builders[i].path(v)],
+                                                          dtype=torch.long, device=histories[i].device)])
+                    for i, v in flat]
+        q, kids = self._children(logits, prefixes, [row_ids[i] for i, _ in flat])
+        for k, (i, v) in enumerate(flat):
+            builders[i].give(v, kids[k])
+            if q is not None:
+                q_store[(i, v)] = q[k]
+
+    def _grow_marginals(self, builders, histories, row_ids, q_store):
+        """DFlash head: one forward over ``[root, MASK x block]`` -> per-depth marginals."""
+        b = len(builders)
+        bs = self.head.config.block_size
+        device = self.roots.device
+        ids = torch.cat([self.roots[:, None], torch.full((b, bs), self.mask_id, device=device)], dim=1)
+        positions = self.root_pos[:, None] + torch.arange(bs + 1, device=device)[None]
+        visible = torch.ones(b, bs + 1, bs + 1, dtype=torch.bool, device=device)
+        marginals = self.head.logits(self.ctx.run(ids, positions, visible))  # [b, bs + 1, V]
+        while True:
+            wanted = [bld.wanted() for bld in builders]
+            if not any(wanted):
+                return
+            self._evaluate(builders, wanted, lambda i, v: marginals[i, builders[i].depth[v] + 1], histories,
+                           row_ids, q_store)
+
+    def _grow_causal(self, builders, histories, row_ids, q_store):
+        """JetSpec head: waves of (real-token slot, MASK query slot) per node, tree-causal mask."""
+        b = len(builders)
+        device = self.roots.device
+        slot_of: list[dict[int, int]] = [{} for _ in range(b)]  # node -> its real-token block slot
+        waves = 0
+        while True:
+            wanted = [bld.wanted() for bld in builders]
+            if not any(wanted):
+                return
+            if waves == self.depth:  # wave cap: unevaluated nodes stay leaves
+                for bld in builders:
+                    bld.freeze()
+                continue
+            s = 2 * max(len(w) for w in wanted)
+            base = self.ctx.block
+            ids = torch.full((b, s), self.mask_id, dtype=torch.long, device=device)
+            pos = self.root_pos[:, None].repeat(1, s)
+            visible = torch.zeros(b, s, base + s, dtype=torch.bool, device=device)
+            visible[:, torch.arange(s), base + torch.arange(s)] = True  # every slot sees itself
+            query_slot: list[dict[int, int]] = [{} for _ in range(b)]
+            for i, nodes in enumerate(wanted):
+                bld = builders[i]
+                for k, v in enumerate(nodes):
+                    real, query = 2 * k, 2 * k + 1
+                    ids[i, real] = bld.tokens[v]
+                    pos[i, real] = self.root_pos[i] + bld.depth[v]
+                    pos[i, query] = self.root_pos[i] + bld.depth[v] + 1
+                    ancestors = [slot_of[i][a] for a in [0] + bld.path(v)[:-1]] if v else []
+                    for row in (real, query):
+                        visible[i, row, ancestors] = True
+                    visible[i, query, base + real] = True
+                    slot_of[i][v] = base + real
+                    query_slot[i][v] = query
+            hidden = self.ctx.run(ids, pos, visible)
+            waves += 1
+            flat = [(i, v) for i, nodes in enumerate(wanted) for v in nodes]
+            logits = self.head.logits(torch.stack([hidden[i, query_slot[i][v]] for i, v in flat]))
+            index = {key: k for k, key in enumerate(flat)}
+            self._evaluate(builders, wanted, lambda i, v: logits[index[(i, v)]], histories, row_ids, q_store)
+
+    def _pack(self, builders, q_store) -> PackedTree:
+        b = len(builders)
+        device = self.roots.device
+        width = max(len(bld.tokens) for bld in builders)
+        tokens = torch.zeros(b, width, dtype=torch.long)
+        parents = torch.full((b, width), -1, dtype=torch.long)
+        depth = torch.zeros(b, width, dtype=torch.long)
+        mask = torch.eye(width, dtype=torch.bool).repeat(b, 1, 1)
+        for i, bld in enumerate(builders):
+            n = len(bld.tokens)
+            tokens[i, :n] = torch.tensor(bld.tokens)
+            tokens[i, n:] = bld.tokens[0]
+            parents[i, :n] = torch.tensor(bld.parents)
+            depth[i, :n] = torch.tensor(bld.depth)
+            for v in range(1, n):  # parents precede children
+                mask[i, v] = mask[i, bld.parents[v]]
+                mask[i, v, v] = True
+        num = torch.tensor([len(bld.tokens) for bld in builders])
+        q = None
+        if self.sample:
+            vocab = self.head.config.target_vocab_size
+            q = torch.zeros(b, width, vocab)
+            for (i, v), dist in q_store.items():
+                q[i, v] = dist.to(q.device)
+            q = q.to(device)
+        return PackedTree(tokens.to(device), parents.to(device), depth.to(device), num.to(device), mask.to(device),
+                          q=q)
+
+    def update(self, tree, verdict) -> None:
+        feats = self.taps.features().to(tree.tokens.device)  # [active, nodes, F] of the verification forward
+        path = verdict.path.clamp(min=0)  # [active, depth + 1]
+        valid = verdict.path >= 0
+        kept = feats.gather(1, path[..., None].expand(-1, -1, feats.shape[-1]))
+        positions = self.root_pos[:, None] + tree.depth.gather(1, path)
+        self.ctx.add_context(kept, positions, valid)
+        self.roots = verdict.tokens.gather(1, verdict.num_accepted[:, None]).squeeze(1)
+        self.accepted += int((verdict.num_accepted + 1).sum())
+        self.row_steps += verdict.num_accepted.numel()
+
+    @property
+    def stats(self) -> dict:
+        steps = max(self.steps, 1)
+        verify_seconds = max(self.run.target.seconds, 1e-12) * steps / max(self.run.num_forward_passes, 1)
+        nodes = max(self.drafted_nodes / steps, 1e-12)
+        return dict(
+            mean_accepted_length=self.accepted / max(self.row_steps, 1),
+            head_forwards_per_step=self.ctx.forwards / steps,
+            drafting_cost=(self.ctx.seconds / steps / nodes) / (verify_seconds / steps),
+            head_seconds=self.ctx.seconds,
+            draft_host_seconds=self.host,
+        )
+
+
+def speculative(
+    model,
+    input_ids: torch.LongTensor,
+    logits_processor,
+    stopping_criteria,
+    generation_config,
+    synced_gpus: bool = False,
+    streamer=None,
+    drafter=None,
+    tree_budget: int = 64,
+    tree_width: int = 8,
+    tree_depth: int | None = None,
+    pd_streamer=None,
+    **model_kwargs,
+):
+    """Lossless speculative decoding with a draft head (JetSpec / DFlash); a ``custom_generate`` callable.
+
+    Args:
+        drafter: a :class:`hf_paralleldecode.DraftHead` built for this model.
+        tree_budget: B, drafted nodes per step (the verification forward feeds B + 1 tokens).
+        tree_width: W, children per node (1 = a chain).
+        tree_depth: N, levels below the root (default: the head's ``block_size``).
+        pd_streamer: see :func:`hf_paralleldecode.jacobi`.
+    """
+    depth = _check_settings(model, drafter, tree_budget, tree_width, tree_depth)
+    if drafter.device != model.device or drafter.dtype != model.dtype:
+        drafter.to(device=model.device, dtype=model.dtype)
+    drafter.bind(model)
+    taps = HiddenStateTaps(model, drafter.config.target_layer_ids)
+    try:
+        return decode(
+            model, "speculative", lambda run: DraftHeadProposer(run, drafter, taps, tree_budget, tree_width, depth),
+            input_ids, logits_processor, stopping_criteria, generation_config,
+            pd_streamer if pd_streamer is not None else streamer, model_kwargs,
+            dict(tree_budget=tree_budget, tree_width=tree_width, tree_depth=depth, head=drafter.config.attention),
+        )
+    finally:
+        taps.remove()

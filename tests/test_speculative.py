@@ -1,0 +1,214 @@
+"""decoding="speculative" with draft heads: lossless, batched, one target forward per step, clear errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from models import ARCHITECTURES, EOS, ForwardRecorder, RecordingStreamer, enabled, prompts, reference, tiny_model
+from test_sampling import chi_square_two_sample, outcomes
+
+import hf_paralleldecode as hfpd
+from hf_paralleldecode import DraftHead
+
+KINDS = ("tree_causal", "block_bidirectional")
+MAIN_ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+
+
+def head_for(model, kind, layers=1, block_size=4, seed=0):
+    torch.manual_seed(seed)
+    return DraftHead.for_target(model, attention=kind, num_hidden_layers=layers, block_size=block_size)
+
+
+@pytest.mark.parametrize("budget", [1, 2, 8, 64, 256])
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("arch", MAIN_ARCHS)
+def test_matches_stock_greedy(arch, batch, kind, budget):
+    model = enabled(arch)
+    ids, mask = prompts(batch)
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False,
+                         decoding="speculative", drafter=head_for(model, kind), tree_budget=budget)
+    torch.testing.assert_close(out, reference(arch, batch, 24), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("arch", [a for a in ARCHITECTURES if a not in MAIN_ARCHS])
+def test_other_architectures_match_stock_greedy(arch, kind):
+    model = enabled(arch)
+    ids, mask = prompts(3)
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False,
+                         decoding="speculative", drafter=head_for(model, kind), tree_budget=16)
+    torch.testing.assert_close(out, reference(arch, 3, 24), rtol=0, atol=0)
+
+
+@pytest.fixture(scope="module")
+def small_vocab():
+    """An 8-token model: random heads get many drafts accepted, so whole branches are exercised."""
+    return hfpd.enable(tiny_model("qwen3", vocab_size=8))
+
+
+def small_prompts(batch=3):
+    ids, mask = prompts(batch)
+    return torch.where(mask.bool(), ids % 5 + 3, 0), mask
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("extra", [dict(), dict(repetition_penalty=1.3), dict(no_repeat_ngram_size=2),
+                                   dict(max_new_tokens=3)], ids=["plain", "rep_penalty", "no_repeat", "short"])
+def test_accepted_branches_eos_and_processors_match_stock(small_vocab, kind, extra):
+    ids, mask = small_prompts()
+    gen = dict(input_ids=ids, attention_mask=mask, do_sample=False, **{"max_new_tokens": 40, **extra})
+    ref_no_eos = small_vocab.generate(**gen, eos_token_id=None)
+    eos = int(ref_no_eos[0, ids.shape[1] + min(9, ref_no_eos.shape[1] - ids.shape[1] - 1)])
+    head = head_for(small_vocab, kind, layers=2, block_size=6)
+    for eos_id in (None, eos, EOS):
+        kw = dict(gen, eos_token_id=eos_id)
+        out = small_vocab.generate(**kw, decoding="speculative", drafter=head, tree_budget=32, tree_width=3,
+                                   return_dict_in_generate=True)
+        assert torch.equal(out.sequences, small_vocab.generate(**kw)), f"eos={eos_id}"
+        if extra.get("max_new_tokens", 40) > 3 and eos_id is None:
+            assert out.stats["mean_accepted_length"] > 1.3  # multi-token acceptance really happened
+
+
+def test_exactly_one_target_forward_per_step_plus_prefill(small_vocab):
+    ids, mask = small_prompts()
+    head = head_for(small_vocab, "tree_causal", layers=2, block_size=6)
+    rec = ForwardRecorder(small_vocab)
+    try:
+        out = small_vocab.generate(input_ids=ids, attention_mask=mask, max_new_tokens=30, do_sample=False,
+                                   eos_token_id=None, decoding="speculative", drafter=head, tree_budget=16,
+                                   return_dict_in_generate=True)
+    finally:
+        rec.restore()
+    steps = out.num_forward_passes - 1
+    assert len(rec.calls) == out.num_forward_passes  # the head never runs the target
+    assert out.stats["head_forwards_per_step"] >= 1 and steps > 0
+    assert rec.calls[0]["cached"] == 0 and all(c["cached"] > 0 for c in rec.calls[1:])
+
+
+def test_statistics_report_tau_head_forwards_and_drafting_cost(small_vocab):
+    ids, mask = small_prompts(1)
+    for kind, forwards in (("block_bidirectional", 1.0), ("tree_causal", None)):
+        out = small_vocab.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False,
+                                   decoding="speculative", drafter=head_for(small_vocab, kind), tree_budget=8,
+                                   return_dict_in_generate=True)
+        s = out.stats
+        assert s["mean_accepted_length"] >= 1 and s["drafting_cost"] > 0 and s["head_seconds"] > 0
+        if forwards is not None:
+            assert s["head_forwards_per_step"] == forwards
+        assert s["tree_budget"] == 8 and s["tree_depth"] == 4 and s["head"] == kind
+
+
+def test_streamer_gets_committed_tokens(small_vocab):
+    ids, mask = small_prompts(1)
+    streamer = RecordingStreamer()
+    out = small_vocab.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
+                               decoding="speculative", drafter=head_for(small_vocab, "tree_causal"), streamer=streamer)
+    assert streamer.ended == 1
+    assert torch.cat([v.reshape(-1) for v in streamer.values[1:]]).tolist() == out[0, ids.shape[1]:].tolist()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("warp", [dict(), dict(temperature=1.3, top_k=4)], ids=["plain", "temperature_topk"])
+def test_sampled_output_distribution_equals_stock(kind, warp):
+    vocab, rows = 5, 4000
+    model = hfpd.enable(tiny_model("llama", vocab_size=vocab, initializer_range=0.05))
+    head = head_for(model, kind, layers=1, block_size=3)
+    ids = torch.tensor([[3, 4, 3, 4, 3]]).repeat(rows, 1)
+    kwargs = dict(input_ids=ids, max_new_tokens=3, do_sample=True, eos_token_id=None, **warp)
+    torch.manual_seed(0)
+    stock = model.generate(**kwargs)
+    torch.manual_seed(1)
+    ours = model.generate(**kwargs, decoding="speculative", drafter=head, tree_budget=6, tree_width=2,
+                          return_dict_in_generate=True)
+    assert ours.tokens_per_forward > 1.05, "multi-token acceptance must happen for the test to mean anything"
+    p = chi_square_two_sample(outcomes(stock, 5), outcomes(ours.sequences, 5), vocab**3)
+    assert p > 1e-3, f"sampled distribution differs from stock sampling (p={p:.2e})"
+
+
+def test_sampling_with_top_k_1_is_greedy(small_vocab):
+    ids, mask = small_prompts()
+    greedy = small_vocab.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False)
+    for kind in KINDS:
+        out = small_vocab.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=True, top_k=1,
+                                   decoding="speculative", drafter=head_for(small_vocab, kind), tree_budget=8)
+        assert torch.equal(out, greedy)
+
+
+def _no_forward(model):
+    def forward(*a, **k):
+        raise AssertionError("a forward ran before validation")
+    model.forward = forward
+
+
+@pytest.mark.parametrize(
+    "settings, match",
+    [
+        (dict(), "needs a drafter"),
+        (dict(drafter="head"), "must be a hf_paralleldecode.DraftHead"),
+        (dict(tree_budget=0), "tree_budget"),
+        (dict(tree_width=0), "tree_width"),
+        (dict(tree_depth=0), "tree_depth"),
+        (dict(tree_budget=2.5), "tree_budget"),
+    ],
+)
+def test_bad_settings_raise_before_any_forward(settings, match):
+    model = hfpd.enable(tiny_model("llama"))
+    if "drafter" not in settings:
+        settings = dict(settings, drafter=head_for(model, "tree_causal")) if settings else settings
+    _no_forward(model)
+    with pytest.raises(ValueError, match=match):
+        model.generate(input_ids=torch.tensor([[5, 6]]), max_new_tokens=4, decoding="speculative", **settings)
+
+
+def test_block_head_depth_beyond_its_block_is_refused():
+    model = hfpd.enable(tiny_model("llama"))
+    head = head_for(model, "block_bidirectional", block_size=4)
+    _no_forward(model)
+    with pytest.raises(ValueError, match="block_size=4"):
+        model.generate(input_ids=torch.tensor([[5, 6]]), max_new_tokens=4, decoding="speculative", drafter=head,
+                       tree_depth=5)
+
+
+@pytest.mark.parametrize("change", [dict(hidden_size=48), dict(vocab_size=101), dict(num_hidden_layers=3)])
+def test_head_for_another_target_is_refused_before_any_forward(change):
+    head = head_for(tiny_model("llama"), "tree_causal")
+    other = hfpd.enable(tiny_model("llama", **change))
+    _no_forward(other)
+    with pytest.raises(ValueError, match="built for another target"):
+        other.generate(input_ids=torch.tensor([[5, 6]]), max_new_tokens=4, decoding="speculative", drafter=head)
+
+
+def test_head_saves_only_itself_and_round_trips(tmp_path):
+    model = enabled("qwen3")
+    head = head_for(model, "block_bidirectional", layers=2)
+    head.save_pretrained(tmp_path)
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == ["README.md", "config.json", "model.safetensors"]
+    from safetensors import safe_open
+
+    with safe_open(tmp_path / "model.safetensors", "pt") as f:
+        keys = list(f.keys())
+    assert not any("embed" in k or "lm_head" in k for k in keys)  # the target's weights are never saved
+    loaded = DraftHead.from_pretrained(tmp_path)
+    assert loaded.config.attention == "block_bidirectional" and loaded.config.target_layer_ids == \
+        head.config.target_layer_ids
+    for a, b in zip(head.state_dict().values(), loaded.state_dict().values()):
+        assert torch.equal(a, b)
+    ids, mask = prompts(3)
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False,
+                         decoding="speculative", drafter=loaded, tree_budget=8)
+    assert torch.equal(out, reference("qwen3", 3, 24))
+    assert "draft head" in (tmp_path / "README.md").read_text()
+
+
+def test_for_target_spreads_tapped_layers_and_validates_config():
+    model = tiny_model("llama", num_hidden_layers=12)
+    head = DraftHead.for_target(model, num_hidden_layers=3)
+    assert head.config.target_layer_ids == [1, 5, 9]
+    assert head.config.hidden_size == 32 and head.config.target_vocab_size == 97
+    with pytest.raises(ValueError, match="attention"):
+        DraftHead.for_target(model, attention="bidirectional")
+    with pytest.raises(ValueError, match="target_layer_ids"):
+        DraftHead.for_target(model, target_layer_ids=[12])
