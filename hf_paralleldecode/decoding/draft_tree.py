@@ -115,7 +115,7 @@ class TreeBuilder:
             if v not in self.children:
                 # evaluate every unexpanded node that could still be expanded within the budget
                 room = self.budget - self.drafted
-                queued = sorted((e for e in self._heap if e[2] not in self.children and self._expandable(e[2])))
+                queued = sorted(e for e in self._heap if e[2] not in self.children and self._expandable(e[2]))
                 return [e[2] for e in queued[:room]]
             heapq.heappop(self._heap)
             for tok, lq in self.children[v]:

@@ -181,12 +181,12 @@ class DraftHeadProposer(Proposer):
         self.host += time.perf_counter() - t_start - (self.ctx.seconds - head_before)
         return tree
 
-    def _evaluate(self, builders, wanted, logits_of, histories, row_ids, q_store):
-        """Give every wanted node its children; ``logits_of(i, node)`` -> raw ``[V]`` logits."""
-        flat = [(i, v) for i, nodes in enumerate(wanted) for v in nodes]
-        if not flat:
-            return
-        logits = torch.stack([logits_of(i, v) for i, v in flat])
+    @staticmethod
+    def _flat(wanted) -> list[tuple[int, int]]:
+        return [(i, v) for i, nodes in enumerate(wanted) for v in nodes]
+
+    def _evaluate(self, builders, flat, logits, histories, row_ids, q_store):
+        """Give every wanted node ``flat[k] = (row, node)`` its children from raw ``logits[k]`` ``[V]``."""
         prefixes = [torch.cat([histories[i], torch.tensor([builders[i].tokens[u] for u in builders[i].path(v)],
                                                           dtype=torch.long, device=histories[i].device)])
                     for i, v in flat]
@@ -209,8 +209,9 @@ class DraftHeadProposer(Proposer):
             wanted = [bld.wanted() for bld in builders]
             if not any(wanted):
                 return
-            self._evaluate(builders, wanted, lambda i, v: marginals[i, builders[i].depth[v] + 1], histories,
-                           row_ids, q_store)
+            flat = self._flat(wanted)
+            logits = torch.stack([marginals[i, builders[i].depth[v] + 1] for i, v in flat])
+            self._evaluate(builders, flat, logits, histories, row_ids, q_store)
 
     def _grow_causal(self, builders, histories, row_ids, q_store):
         """JetSpec head: waves of (real-token slot, MASK query slot) per node, tree-causal mask."""
@@ -248,10 +249,9 @@ class DraftHeadProposer(Proposer):
                     query_slot[i][v] = query
             hidden = self.ctx.run(ids, pos, visible)
             waves += 1
-            flat = [(i, v) for i, nodes in enumerate(wanted) for v in nodes]
+            flat = self._flat(wanted)
             logits = self.head.logits(torch.stack([hidden[i, query_slot[i][v]] for i, v in flat]))
-            index = {key: k for k, key in enumerate(flat)}
-            self._evaluate(builders, wanted, lambda i, v: logits[index[(i, v)]], histories, row_ids, q_store)
+            self._evaluate(builders, flat, logits, histories, row_ids, q_store)
 
     def _pack(self, builders, q_store) -> PackedTree:
         b = len(builders)
