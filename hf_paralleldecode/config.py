@@ -33,12 +33,16 @@ class ParallelDecodingConfig:
         decoding: a registered strategy name (see ``hf_paralleldecode.available_decodings()``).
         settings: keyword settings of that strategy (checked against its signature).
         base_model_name_or_path: optional provenance, written into model cards.
+        drafter: where the draft head of ``decoding="speculative"`` lives: a folder relative to the
+            checkpoint (a bundle, e.g. ``"drafter"``), a local path or a Hub repo id. The loader
+            (:func:`hf_paralleldecode.load_model`) loads it and ``generate`` drafts with it by default.
         library_version: stamped on save; the version that wrote the file.
     """
 
     decoding: str = "jacobi"
     settings: dict[str, Any] = field(default_factory=dict)
     base_model_name_or_path: str | None = None
+    drafter: str | None = None
     library_version: str | None = None
 
     def __post_init__(self):
@@ -53,6 +57,10 @@ class ParallelDecodingConfig:
         unknown = sorted(k for k in self.settings if k not in params or k in ("model", "input_ids"))
         if unknown:
             raise ValueError(f"Unknown settings {unknown} for decoding {self.decoding!r}.")
+        if "drafter" in self.settings:
+            raise ValueError("Name the draft head with `drafter=` (a folder, path or repo id), not inside `settings`.")
+        if self.drafter is not None and not isinstance(self.drafter, str):
+            raise ValueError(f"`drafter` must be a folder, path or repo id (str), got {type(self.drafter).__name__}.")
 
     def generate_kwargs(self) -> dict[str, Any]:
         """``{"decoding": name, **settings}``: what ``generate`` uses by default."""

@@ -22,7 +22,8 @@ import inspect
 
 from .registry import get_decoding
 
-__all__ = ["enable", "ParallelDecodingMixin", "is_enabled", "STOCK"]
+__all__ = ["enable", "ParallelDecodingMixin", "is_enabled", "STOCK", "attach_drafter", "attached_drafter",
+           "BUNDLE_DRAFTER_DIR"]
 
 #: ``decoding="stock"`` runs transformers' own generate, ignoring a checkpoint's decoding defaults.
 STOCK = "stock"
@@ -62,6 +63,9 @@ class ParallelDecodingMixin:
         for key, value in defaults.items():
             if key in params:
                 kwargs.setdefault(key, value)
+        drafter = attached_drafter(self)
+        if drafter is not None and "drafter" in params:
+            kwargs.setdefault("drafter", drafter)
         streamer = kwargs.pop("streamer", None)
         if streamer is not None:
             if "pd_streamer" not in params:
@@ -70,12 +74,38 @@ class ParallelDecodingMixin:
         return super().generate(*args, custom_generate=strategy, **kwargs)
 
     def save_pretrained(self, save_directory, *args, **kwargs):
-        """Stock ``save_pretrained`` plus the attached ``ParallelDecodingConfig``, if any."""
+        """Stock ``save_pretrained`` plus the attached ``ParallelDecodingConfig`` and draft head, if any.
+
+        With a draft head attached the directory becomes a *bundle*: the head goes to
+        ``drafter/`` and the config names it, so :func:`hf_paralleldecode.load_model` restores both
+        (``push_to_hub`` saves through this method, so it pushes the bundle).
+        """
+        import dataclasses
+        import os
+
         out = super().save_pretrained(save_directory, *args, **kwargs)
         config = getattr(self, "parallel_decoding_config", None)
+        drafter = attached_drafter(self)
+        if drafter is not None:
+            drafter.save_pretrained(os.path.join(save_directory, BUNDLE_DRAFTER_DIR))
+            config = dataclasses.replace(config, drafter=BUNDLE_DRAFTER_DIR) if config is not None else None
         if config is not None:
             config.save_pretrained(save_directory)
         return out
+
+
+#: folder of a bundle's draft head, next to the target's weights
+BUNDLE_DRAFTER_DIR = "drafter"
+
+
+def attach_drafter(model, drafter) -> None:
+    """Make ``drafter`` the default ``drafter=`` of ``model.generate`` (kept out of the model's modules)."""
+    drafter.check_target(model)
+    object.__setattr__(model, "_hfpd_drafter", drafter)
+
+
+def attached_drafter(model):
+    return model.__dict__.get("_hfpd_drafter")
 
 
 def is_enabled(model) -> bool:

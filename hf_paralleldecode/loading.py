@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 
 from .config import CONFIG_NAME, ParallelDecodingConfig
-from .integration import enable
+from .integration import attach_drafter, enable
 
 __all__ = ["load_model", "load_tokenizer", "default_model_path", "load_default_model", "resolve_model_path",
            "DEFAULT_MODEL_NAME", "EMBEDDED_MODELS"]
@@ -55,6 +55,7 @@ def load_model(
     pretrained: str | os.PathLike,
     *,
     decoding_config: ParallelDecodingConfig | None = None,
+    drafter=None,
     attn_implementation: str = "sdpa",
     trust_remote_code: bool = False,
     **from_pretrained_kwargs,
@@ -63,6 +64,11 @@ def load_model(
 
     If ``pretrained`` holds a ``parallel_decoding_config.json`` (or ``decoding_config`` is given),
     ``model.generate(...)`` uses that decoding and its settings unless the call overrides them.
+
+    Draft heads: a bundle (target + ``drafter/`` + a config naming it) loads with its head, and
+    ``drafter=`` (a :class:`~hf_paralleldecode.DraftHead`, a path or a Hub repo id holding a head)
+    attaches one to any target; without a config, ``generate()`` then defaults to
+    ``decoding="speculative"``. A head built for another target is refused here.
     """
     from transformers import AutoModelForCausalLM
 
@@ -76,9 +82,37 @@ def load_model(
     )
     enable(model)
     config = decoding_config if decoding_config is not None else _find_config(pretrained, hub_kwargs)
+    if drafter is None and config is not None and config.drafter is not None:
+        drafter = _resolve_drafter_path(pretrained, config.drafter)
+    if drafter is not None:
+        head = _load_drafter(drafter, hub_kwargs)
+        head.to(device=model.device, dtype=model.dtype)
+        attach_drafter(model, head)
+        if config is None:
+            config = ParallelDecodingConfig("speculative")
     if config is not None:
         model.parallel_decoding_config = config
     return model.eval()
+
+
+def _resolve_drafter_path(pretrained, drafter: str):
+    """A bundle's relative folder, else the path or repo id as given."""
+    local = Path(pretrained) / drafter
+    if Path(pretrained).is_dir():
+        return local if local.is_dir() else drafter
+    return (str(pretrained), drafter)  # a Hub bundle: (repo id, subfolder)
+
+
+def _load_drafter(drafter, hub_kwargs):
+    from .drafters.head import DraftHead
+
+    if isinstance(drafter, DraftHead):
+        return drafter
+    if isinstance(drafter, tuple):  # (repo id, subfolder) of a Hub bundle
+        return DraftHead.from_pretrained(drafter[0], subfolder=drafter[1], use_safetensors=True, **hub_kwargs)
+    if not isinstance(drafter, (str, os.PathLike)):
+        raise ValueError(f"`drafter` must be a DraftHead, a path or a repo id, got {type(drafter).__name__}.")
+    return DraftHead.from_pretrained(drafter, use_safetensors=True, **hub_kwargs)
 
 
 def load_tokenizer(path, **kwargs):

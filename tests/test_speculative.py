@@ -212,3 +212,44 @@ def test_for_target_spreads_tapped_layers_and_validates_config():
         DraftHead.for_target(model, attention="bidirectional")
     with pytest.raises(ValueError, match="target_layer_ids"):
         DraftHead.for_target(model, target_layer_ids=[12])
+
+
+def test_bundle_round_trip_and_head_only_repo(tmp_path):
+    target = tiny_model("qwen3")
+    target.save_pretrained(tmp_path / "target")
+    head = head_for(target, "tree_causal", layers=2)
+    head.save_pretrained(tmp_path / "head")
+    ids, mask = prompts(3)
+    gen = dict(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False, return_dict_in_generate=True)
+    ref = target.generate(**gen).sequences
+
+    # (b) a head-only folder attached to its target: generate() drafts with it by default
+    model = hfpd.load_model(tmp_path / "target", drafter=tmp_path / "head")
+    out = model.generate(**gen, tree_budget=8)
+    assert out.decoding == "speculative" and torch.equal(out.sequences, ref)
+
+    # (a) the bundle: target + drafter/ + a config naming it; loads back with its head and settings
+    model.parallel_decoding_config = hfpd.ParallelDecodingConfig("speculative", {"tree_budget": 4, "tree_width": 2})
+    model.save_pretrained(tmp_path / "bundle")
+    assert (tmp_path / "bundle" / "drafter" / "model.safetensors").is_file()
+    saved = hfpd.ParallelDecodingConfig.from_pretrained(tmp_path / "bundle")
+    assert saved.drafter == "drafter" and saved.settings == {"tree_budget": 4, "tree_width": 2}
+    bundle = hfpd.load_model(tmp_path / "bundle")
+    out = bundle.generate(**gen)
+    assert out.decoding == "speculative" and out.stats["tree_budget"] == 4 and torch.equal(out.sequences, ref)
+    assert out.stats["head_forwards_per_step"] >= 1
+    assert not any(k.startswith("draft") or "_hfpd" in k for k in bundle.state_dict())  # the head is not a submodule
+    assert torch.equal(bundle.generate(**gen, decoding="stock").sequences, ref)
+
+
+def test_loading_a_head_for_another_target_is_refused(tmp_path):
+    tiny_model("llama").save_pretrained(tmp_path / "target")
+    head_for(tiny_model("llama", hidden_size=48), "tree_causal").save_pretrained(tmp_path / "head")
+    with pytest.raises(ValueError, match="built for another target"):
+        hfpd.load_model(tmp_path / "target", drafter=tmp_path / "head")
+
+
+def test_config_names_the_drafter_outside_settings():
+    with pytest.raises(ValueError, match="drafter="):
+        hfpd.ParallelDecodingConfig("speculative", {"drafter": "x"})
+    assert hfpd.ParallelDecodingConfig("speculative", drafter="org/head").drafter == "org/head"
