@@ -166,6 +166,21 @@ class _FirstTokenClock:
         pass
 
 
+_HEADS: dict[str, object] = {}
+
+
+def _resolve_drafter(settings: dict) -> dict:
+    """``drafter=PATH`` (a draft-head folder or repo id) becomes the loaded head (loaded once)."""
+    drafter = settings.get("drafter")
+    if not isinstance(drafter, str):
+        return settings
+    if drafter not in _HEADS:
+        from .drafters.head import DraftHead
+
+        _HEADS[drafter] = DraftHead.from_pretrained(drafter, use_safetensors=True)
+    return {**settings, "drafter": _HEADS[drafter]}
+
+
 def _one_run(model, enc, spec: StrategySpec | None, max_new_tokens: int, timer: _ForwardTimer):
     sync = timer._sync
     clock = _FirstTokenClock(sync)
@@ -175,7 +190,7 @@ def _one_run(model, enc, spec: StrategySpec | None, max_new_tokens: int, timer: 
     elif spec.decoding in STOCK_PEERS:
         kwargs.update(decoding=STOCK, **{**STOCK_PEERS[spec.decoding], **spec.settings})
     else:
-        kwargs.update(decoding=spec.decoding, **spec.settings)
+        kwargs.update(decoding=spec.decoding, **_resolve_drafter(spec.settings))
     timer.reset()
     sync()
     t0 = time.perf_counter()

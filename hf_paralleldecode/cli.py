@@ -160,7 +160,11 @@ def _demo(args) -> int:
     model, tokenizer, name = _load(args)
     prompts = _prompts(args, 4)
     demo_settings = {"jacobi": {"block_size": 16}}
-    strategies = [StrategySpec(d, demo_settings.get(d, {})) for d in available_decodings()]
+    # strategies that need a draft model run only when the checkpoint brings one (a bundle)
+    from .integration import attached_drafter
+
+    runnable = [d for d in available_decodings() if d != "speculative" or attached_drafter(model) is not None]
+    strategies = [StrategySpec(d, demo_settings.get(d, {})) for d in runnable]
     strategies.append(StrategySpec("prompt_lookup"))  # transformers' own peer, for reference
     print(f"model: {name}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, "
           f"{next(model.parameters()).device}; {len(prompts)} prompts x {args.max_new_tokens} new tokens\n")
