@@ -23,6 +23,7 @@ _LAZY = {
     "speculative": "decoding.speculative",
     "DraftHead": "drafters.head",
     "DraftHeadConfig": "drafters.head",
+    "export_draft_head": "drafters.export",
     "ParallelDecodingOutput": "decoding.base",
     "ParallelDecodingConfig": "config",
     "load_model": "loading",
@@ -41,6 +42,7 @@ __all__ = [
     "available_decodings",
     "default_model_path",
     "enable",
+    "export_draft_head",
     "get_decoding",
     "is_enabled",
     "jacobi",
@@ -86,6 +88,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .decoding.jacobi_forcing import jacobi_forcing
     from .decoding.lookahead import lookahead
     from .decoding.speculative import speculative
+    from .drafters.export import export_draft_head
     from .drafters.head import DraftHead, DraftHeadConfig
     from .integration import ParallelDecodingMixin, enable, is_enabled
     from .loading import default_model_path, load_default_model, load_model, load_tokenizer
