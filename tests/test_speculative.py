@@ -253,3 +253,25 @@ def test_config_names_the_drafter_outside_settings():
     with pytest.raises(ValueError, match="drafter="):
         hfpd.ParallelDecodingConfig("speculative", {"drafter": "x"})
     assert hfpd.ParallelDecodingConfig("speculative", drafter="org/head").drafter == "org/head"
+
+
+def test_push_to_hub_uploads_the_head_its_config_and_its_card(monkeypatch, tmp_path):
+    import huggingface_hub
+
+    uploaded = {}
+
+    class FakeRepo:
+        repo_id = "me/head"
+
+    def upload_folder(self, folder_path, repo_id, **kwargs):
+        from pathlib import Path
+
+        uploaded.update({p.name: p.read_bytes() for p in Path(folder_path).iterdir()}, repo=repo_id)
+        return "ok"
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "create_repo", lambda self, repo_id, **kw: FakeRepo())
+    monkeypatch.setattr(huggingface_hub.HfApi, "upload_folder", upload_folder)
+    head_for(tiny_model("llama"), "block_bidirectional").push_to_hub("me/head")
+    assert uploaded["repo"] == "me/head"
+    assert {"config.json", "model.safetensors", "README.md"} <= set(uploaded)
+    assert b"DFlash block-bidirectional draft head" in uploaded["README.md"]

@@ -61,6 +61,7 @@ class LookaheadProposer(Proposer):
         fill = run.sample_context(window, self.generator).tolist()
         self.levels: dict[int, list[list[int]]] = {r: [fill[i]] for i, r in enumerate(run.rows.tolist())}
         self.ages: dict[int, list[int]] = {r: [0] * window for r in run.rows.tolist()}  # updates since refill
+        self.roots: dict[int, int] = {r: int(run.log.tokens[r, 0]) for r in run.rows.tolist()}  # last committed
 
     @property
     def stats(self) -> dict:
@@ -71,9 +72,8 @@ class LookaheadProposer(Proposer):
         log = self.run.log
         roots, cands = [], []
         for r in self.run.rows.tolist():
-            count = int(log.count[r])
-            root = int(log.tokens[r, count - 1])
-            max_depth = int(log.max_new_tokens) - count  # a depth-d path commits d + 1 tokens
+            root = self.roots[r]
+            max_depth = int(log.max_new_tokens) - int(log.count[r])  # a depth-d path commits d + 1 tokens
             levels = self.levels[r]
             window = [levels[0][: c + 1] + [lv[c] for lv in levels[1:]] for c in range(self.W)]
             guesses = [list(g) for g in self.pool.get(r, root, self.G)]
@@ -90,9 +90,11 @@ class LookaheadProposer(Proposer):
         level: its n-grams enter the pool only after ``N - 2`` updates made its levels genuine.
         """
         choices_l, accepted_l = verdict.choices.tolist(), verdict.num_accepted.tolist()
+        committed = verdict.tokens.tolist()
         fills = self.run.sample_context(self.W, self.generator).tolist()
         for i, r in enumerate(self.run.rows.tolist()):
             levels, ages, fill = self.levels[r], self.ages[r], fills[i]
+            self.roots[r] = committed[i][accepted_l[i]]  # the bonus token is the next root
             depth = len(levels)  # column c is c + depth tokens long (level 0 up to c, then one per level)
             cols = tree.candidate_nodes[i][: self.W]
             new = [choices_l[i][col[-1]] if len(col) == c + depth else None for c, col in enumerate(cols)]

@@ -38,7 +38,7 @@ from transformers.cache_utils import DynamicCache
 from .base import Proposer, check_int_setting, decode
 from .cache import SlotCache
 from .draft_tree import TreeBuilder
-from .processors import process_prefixes
+from .processors import prefix_independent, process_prefixes
 from .target import HiddenStateTaps
 from .tree import PackedTree
 
@@ -146,7 +146,11 @@ class DraftHeadProposer(Proposer):
     def _children(self, logits, prefixes, rows):
         """Processed ``q`` and the children lists (try order) for ``n`` nodes: ``logits [n, V]``."""
         run = self.run
-        scores = process_prefixes(run.logits_processor, logits, prefixes, rows, run.prompt.shape[0])
+        if prefixes is None:  # only for processors that ignore the prefix
+            scores = process_prefixes(run.logits_processor, logits, [], rows, run.prompt.shape[0]) \
+                if run.logits_processor else logits
+        else:
+            scores = process_prefixes(run.logits_processor, logits, prefixes, rows, run.prompt.shape[0])
         logq = torch.log_softmax(scores, dim=-1)
         keys = logq
         if self.sample:
@@ -205,10 +209,21 @@ class DraftHeadProposer(Proposer):
         positions = self.root_pos[:, None] + torch.arange(bs + 1, device=device)[None]
         visible = torch.ones(b, bs + 1, bs + 1, dtype=torch.bool, device=device)
         marginals = self.head.logits(self.ctx.run(ids, positions, visible))  # [b, bs + 1, V]
+        shared = None
+        if not self.sample and prefix_independent(self.run.logits_processor or []):
+            # greedy, processors blind to the prefix: every node of a depth has the same children
+            flat = [(i, d) for i in range(b) for d in range(bs)]
+            _, kids = self._children(marginals[:, 1:].reshape(b * bs, -1), None, [row_ids[i] for i, _ in flat])
+            shared = {key: kids[k] for k, key in enumerate(flat)}
         while True:
             wanted = [bld.wanted() for bld in builders]
             if not any(wanted):
                 return
+            if shared is not None:
+                for i, nodes in enumerate(wanted):
+                    for v in nodes:
+                        builders[i].give(v, shared[(i, builders[i].depth[v])])
+                continue
             flat = self._flat(wanted)
             logits = torch.stack([marginals[i, builders[i].depth[v] + 1] for i, v in flat])
             self._evaluate(builders, flat, logits, histories, row_ids, q_store)

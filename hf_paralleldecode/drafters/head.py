@@ -285,6 +285,24 @@ class DraftHead(PreTrainedModel):
             readme.write_text(self.model_card())
         return out
 
+    def push_to_hub(self, repo_id: str, commit_message: str = "Upload draft head", private: bool | None = None,
+                    token=None, revision: str | None = None, **kwargs) -> str:
+        """Upload what :meth:`save_pretrained` writes (head, config, this head's model card) to ``repo_id``.
+
+        (The stock ``push_to_hub`` would replace the card with a generic one.)
+        """
+        import tempfile
+
+        from huggingface_hub import HfApi
+
+        api = HfApi(token=token)
+        repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
+        with tempfile.TemporaryDirectory() as tmp:
+            self.save_pretrained(tmp)
+            info = api.upload_folder(folder_path=tmp, repo_id=repo_id, commit_message=commit_message,
+                                     revision=revision, **kwargs)
+        return str(info)
+
     def model_card(self) -> str:
         c = self.config
         kind = "JetSpec tree-causal" if c.attention == "tree_causal" else "DFlash block-bidirectional"
