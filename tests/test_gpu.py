@@ -40,3 +40,15 @@ def test_cuda_bf16_agreement_rate(arch, record_property):
     agree = (out[:, prompt_len:] == ref[:, prompt_len:]).long().cumprod(-1).float().mean().item()
     record_property("bf16_prefix_agreement", agree)
     assert agree > 0.5
+
+
+@pytest.mark.parametrize("kind", ["tree_causal", "block_bidirectional"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_cuda_fp32_speculative_exact(arch, kind):
+    model = hfpd.enable(tiny_model(arch).cuda())
+    head = hfpd.DraftHead.for_target(model, attention=kind, num_hidden_layers=1, block_size=4)
+    ids, mask = prompts(3)
+    kwargs = dict(input_ids=ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=40, do_sample=False)
+    ref = model.generate(**kwargs)
+    out = model.generate(**kwargs, decoding="speculative", drafter=head, tree_budget=32)
+    assert torch.equal(out, ref)
