@@ -275,3 +275,17 @@ def test_push_to_hub_uploads_the_head_its_config_and_its_card(monkeypatch, tmp_p
     assert uploaded["repo"] == "me/head"
     assert {"config.json", "model.safetensors", "README.md"} <= set(uploaded)
     assert b"DFlash block-bidirectional draft head" in uploaded["README.md"]
+
+
+def test_custom_generate_on_a_stock_model_and_per_step_accepted_lengths(small_vocab):
+    stock = tiny_model("qwen3", vocab_size=8)  # not enabled
+    ids, mask = small_prompts()
+    head = head_for(stock, "block_bidirectional", layers=2, block_size=6)
+    ref = stock.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False)
+    out = stock.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False,
+                         custom_generate=hfpd.speculative, drafter=head, tree_budget=16, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, ref)
+    lengths = out.stats["accepted_lengths"]
+    assert len(lengths) == out.num_forward_passes - 1 and all(1 <= t <= 7 for step in lengths for t in step)
+    flat = [t for step in lengths for t in step]
+    assert abs(sum(flat) / len(flat) - out.stats["mean_accepted_length"]) < 1e-9

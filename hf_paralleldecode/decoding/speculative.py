@@ -24,7 +24,7 @@ Per step (rows run independently; ``cache.py`` explains how they share one cache
        the head keeps the accepted path's features and drops its block slots.
 
 Statistics (``output.stats``): ``mean_accepted_length`` (tau: accepted drafted tokens + 1 per
-step, the seeds' convention), ``head_forwards_per_step``, ``drafting_cost`` (c = (T_draft / N) /
+step, the seeds' convention), ``accepted_lengths`` (per step, per active row), ``head_forwards_per_step``, ``drafting_cost`` (c = (T_draft / N) /
 T_verify, JetSpec Appendix G, with N the drafted nodes), ``head_seconds``, ``draft_host_seconds``.
 """
 
@@ -134,6 +134,7 @@ class DraftHeadProposer(Proposer):
         self.ctx.add_context(feats.to(rows.device), run.prompt_positions, run.prompt_mask)
         self.roots = run.log.tokens[rows, 0].clone()  # [active] the first token, committed by the prefill
         self.steps, self.drafted_nodes, self.accepted, self.row_steps, self.host = 0, 0, 0, 0, 0.0
+        self.accepted_lengths: list[list[int]] = []  # per step, per active row: accepted + 1
 
     def select(self, kept):
         self.roots = self.roots[kept]
@@ -304,6 +305,7 @@ class DraftHeadProposer(Proposer):
         positions = self.root_pos[:, None] + tree.depth.gather(1, path)
         self.ctx.add_context(kept, positions, valid)
         self.roots = verdict.tokens.gather(1, verdict.num_accepted[:, None]).squeeze(1)
+        self.accepted_lengths.append((verdict.num_accepted + 1).tolist())
         self.accepted += int((verdict.num_accepted + 1).sum())
         self.row_steps += verdict.num_accepted.numel()
 
@@ -314,6 +316,7 @@ class DraftHeadProposer(Proposer):
         nodes = max(self.drafted_nodes / steps, 1e-12)
         return dict(
             mean_accepted_length=self.accepted / max(self.row_steps, 1),
+            accepted_lengths=self.accepted_lengths,
             head_forwards_per_step=self.ctx.forwards / steps,
             drafting_cost=(self.ctx.seconds / steps / nodes) / (verify_seconds / steps),
             head_seconds=self.ctx.seconds,
