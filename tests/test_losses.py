@@ -93,3 +93,42 @@ def test_ar_loss_is_cross_entropy_with_ignore_index():
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         divergence(torch.zeros(1, 3), torch.zeros(1, 3), **kwargs)
+
+
+def test_position_weights_decay_and_uniform():
+    from hf_paralleldecode.training.losses import position_weights
+
+    w = position_weights(4, gamma=7.0)
+    torch.testing.assert_close(w, torch.exp(-torch.arange(4.0) / 7.0))
+    assert torch.equal(position_weights(3), torch.ones(3))
+    with pytest.raises(ValueError, match="gamma"):
+        position_weights(3, gamma=0.0)
+
+
+def test_draft_distillation_loss_closed_forms():
+    from hf_paralleldecode.training.losses import draft_distillation_loss
+
+    g = torch.Generator().manual_seed(0)
+    teacher = torch.randn(2, 3, 11, generator=g)
+    w = torch.tensor([[1.0, 0.5, 0.0], [1.0, 0.25, 0.125]])
+    # a perfect student: both KLs vanish, at any temperature
+    for objective in ("forward_kl", "reverse_kl"):
+        assert draft_distillation_loss(teacher.clone(), teacher, w, objective, temperature=2.0).abs() < 1e-6
+    student = torch.randn(2, 3, 11, generator=g)
+    T = 2.0
+    p, q = torch.softmax(teacher / T, -1), torch.softmax(student / T, -1)
+    fkl = (p * (p.log() - q.log())).sum(-1)
+    expected = T**2 * (fkl * w).sum() / w.sum()
+    torch.testing.assert_close(draft_distillation_loss(student, teacher, w, "forward_kl", T), expected)
+    rkl = (q * (q.log() - p.log())).sum(-1)
+    torch.testing.assert_close(draft_distillation_loss(student, teacher, w, "reverse_kl", T), T**2 * (rkl * w).sum() / w.sum())
+    # sft: weighted cross-entropy on the teacher's argmax
+    ce = torch.nn.functional.cross_entropy(student.reshape(-1, 11), teacher.argmax(-1).reshape(-1), reduction="none")
+    torch.testing.assert_close(draft_distillation_loss(student, teacher, w, "sft"), (ce.reshape(2, 3) * w).sum() / w.sum())
+    # gradient accumulation: two halves normalised by the step's total weight add up to the whole
+    whole = draft_distillation_loss(student, teacher, w, "forward_kl", T)
+    halves = sum(draft_distillation_loss(student[i : i + 1], teacher[i : i + 1], w[i : i + 1], "forward_kl", T,
+                                         num_items_in_batch=w.sum()) for i in range(2))
+    torch.testing.assert_close(halves, whole)
+    with pytest.raises(ValueError, match="objective"):
+        draft_distillation_loss(student, teacher, w, "jsd")

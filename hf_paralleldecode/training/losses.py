@@ -18,7 +18,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-__all__ = ["DISTANCES", "divergence", "consistency_loss", "progressive_consistency_loss", "ar_loss"]
+__all__ = ["DISTANCES", "DISTILLATION_OBJECTIVES", "divergence", "consistency_loss", "progressive_consistency_loss",
+           "ar_loss", "position_weights", "draft_distillation_loss"]
 
 DISTANCES = ("forward_kl", "reverse_kl", "jsd")
 
@@ -110,3 +111,57 @@ def ar_loss(
         logits.float().reshape(-1, logits.shape[-1]), labels.clamp(min=0).reshape(-1), reduction="none"
     ).reshape(labels.shape)
     return _reduce(nll, mask, num_items_in_batch)
+
+
+DISTILLATION_OBJECTIVES = ("forward_kl", "reverse_kl", "sft")
+
+
+def position_weights(block_size: int, gamma: float | None = None) -> torch.Tensor:
+    """Weights ``w_m`` of draft depths ``m = 1 .. block_size``: ``exp(-(m - 1) / gamma)``, or 1 (``gamma=None``).
+
+    DFlash decays with ``gamma = 7`` for a 16-token block; JetSpec's causal head uses uniform weights.
+    """
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}.")
+    depth = torch.arange(block_size, dtype=torch.float32)
+    if gamma is None:
+        return torch.ones(block_size)
+    if gamma <= 0:
+        raise ValueError(f"gamma must be > 0 (or None for uniform weights), got {gamma}.")
+    return torch.exp(-depth / gamma)
+
+
+def draft_distillation_loss(
+    student_logits: torch.Tensor,  # [..., vocab] the head's logits at the drafted positions
+    teacher_logits: torch.Tensor,  # [..., vocab] the target's logits predicting the same tokens
+    weights: torch.Tensor,  # [...] w_m of each position (0 where it does not count)
+    objective: str = "forward_kl",
+    temperature: float = 1.0,
+    labels: torch.Tensor | None = None,  # [...] hard labels for "sft" (default: the teacher's argmax)
+    num_items_in_batch=None,  # the sum of weights over the optimizer step (gradient accumulation)
+) -> torch.Tensor:
+    """Draft-head distillation, JetSpec Eq. 11-14: ``T^2 * sum_m w_m L^(m) / sum_m w_m``.
+
+    * ``"forward_kl"``: ``L^(m) = KL(p~ || q~)`` of the temperature-``T`` softened distributions,
+      with the ``T^2`` prefactor so gradients keep their scale across temperatures (default);
+    * ``"reverse_kl"``: ``KL(q~ || p~)``, same prefactor (mode-seeking; the seed's ablation);
+    * ``"sft"``: cross-entropy on hard labels (``labels``, or the teacher's argmax), no temperature.
+
+    Normalised by ``num_items_in_batch`` (the step's total weight) when given, else by this
+    batch's total weight, so gradient accumulation is exact.
+    """
+    if objective not in DISTILLATION_OBJECTIVES:
+        raise ValueError(f"objective must be one of {DISTILLATION_OBJECTIVES}, got {objective!r}.")
+    weights = weights.float()
+    if objective == "sft":
+        if labels is None:
+            labels = teacher_logits.detach().argmax(-1)
+        per = F.cross_entropy(student_logits.float().reshape(-1, student_logits.shape[-1]), labels.reshape(-1),
+                              reduction="none").reshape(labels.shape)
+        scale = 1.0
+    else:
+        per = divergence(student_logits, teacher_logits, objective, temperature=temperature)
+        scale = temperature**2
+    total = (per * weights).sum()
+    denom = num_items_in_batch if num_items_in_batch is not None else weights.sum().clamp(min=1e-12)
+    return scale * total / denom
