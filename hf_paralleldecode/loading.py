@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 
 from .config import CONFIG_NAME, ParallelDecodingConfig
-from .integration import attach_drafter, enable
+from .integration import BUNDLE_DRAFTER_DIR, attach_drafter, enable
 
 __all__ = ["load_model", "load_tokenizer", "default_model_path", "load_default_model", "resolve_model_path",
            "DEFAULT_MODEL_NAME", "EMBEDDED_MODELS"]
@@ -84,6 +84,9 @@ def load_model(
     config = decoding_config if decoding_config is not None else _find_config(pretrained, hub_kwargs)
     if drafter is None and config is not None and config.drafter is not None:
         drafter = _resolve_drafter_path(pretrained, config.drafter)
+    elif drafter is None and config is not None and config.decoding == "speculative" and \
+            (Path(pretrained) / BUNDLE_DRAFTER_DIR / "config.json").is_file():
+        drafter = Path(pretrained) / BUNDLE_DRAFTER_DIR  # a bundle whose config does not name its head
     if drafter is not None:
         head = _load_drafter(drafter, hub_kwargs)
         head.to(device=model.device, dtype=model.dtype)

@@ -146,7 +146,8 @@ def _no_forward(model):
     "settings, match",
     [
         (dict(), "needs a drafter"),
-        (dict(drafter="head"), "must be a hf_paralleldecode.DraftHead"),
+        (dict(drafter="no/such-head-anywhere"), "Could not load a DraftHead"),
+        (dict(drafter=3), "must be a hf_paralleldecode.DraftHead"),
         (dict(tree_budget=0), "tree_budget"),
         (dict(tree_width=0), "tree_width"),
         (dict(tree_depth=0), "tree_depth"),
@@ -289,3 +290,19 @@ def test_custom_generate_on_a_stock_model_and_per_step_accepted_lengths(small_vo
     assert len(lengths) == out.num_forward_passes - 1 and all(1 <= t <= 7 for step in lengths for t in step)
     flat = [t for step in lengths for t in step]
     assert abs(sum(flat) / len(flat) - out.stats["mean_accepted_length"]) < 1e-9
+
+
+def test_drafter_given_as_a_folder_and_a_bundle_whose_config_does_not_name_it(tmp_path):
+    target = tiny_model("qwen3")
+    head = head_for(target, "block_bidirectional")
+    target.save_pretrained(tmp_path)
+    head.save_pretrained(tmp_path / "drafter")
+    ids, mask = prompts(3)
+    gen = dict(input_ids=ids, attention_mask=mask, max_new_tokens=16, do_sample=False)
+    ref = target.generate(**gen)
+    out = hfpd.enable(target).generate(**gen, decoding="speculative", drafter=str(tmp_path / "drafter"))
+    assert torch.equal(out, ref)
+    hfpd.ParallelDecodingConfig("speculative", {"tree_budget": 8}).save_pretrained(tmp_path)
+    bundle = hfpd.load_model(tmp_path)
+    out = bundle.generate(**gen, return_dict_in_generate=True)
+    assert out.decoding == "speculative" and out.stats["tau"] >= 1 and torch.equal(out.sequences, ref)

@@ -23,13 +23,14 @@ Per step (rows run independently; ``cache.py`` explains how they share one cache
        multi-draft rejection sampling with ``q`` when sampling) and keeps the accepted path's KV;
        the head keeps the accepted path's features and drops its block slots.
 
-Statistics (``output.stats``): ``mean_accepted_length`` (tau: accepted drafted tokens + 1 per
-step, the seeds' convention), ``accepted_lengths`` (per step, per active row), ``head_forwards_per_step``, ``drafting_cost`` (c = (T_draft / N) /
+Statistics (``output.stats``): ``mean_accepted_length`` (also ``tau``: accepted drafted tokens + 1
+per step, the seeds' convention), ``accepted_lengths`` (per step, per active row), ``head_forwards_per_step``, ``drafting_cost`` (c = (T_draft / N) /
 T_verify, JetSpec Appendix G, with N the drafted nodes), ``head_seconds``, ``draft_host_seconds``.
 """
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -53,6 +54,11 @@ def _check_settings(model, drafter, tree_budget, tree_width, tree_depth):
             'decoding="speculative" needs a drafter: pass drafter=<DraftHead> (hf_paralleldecode.DraftHead.from_pretrained'
             "(...) or DraftHead.for_target(model)), or load a bundle with hfpd.load_model(dir) that names one."
         )
+    if isinstance(drafter, (str, os.PathLike)):  # a head folder or Hub repo id
+        try:
+            drafter = DraftHead.from_pretrained(drafter, use_safetensors=True)
+        except Exception as err:  # noqa: BLE001 - any loading failure is a bad setting, reported with its cause
+            raise ValueError(f"Could not load a DraftHead from drafter={str(drafter)!r}: {err}") from err
     if not isinstance(drafter, DraftHead):
         raise ValueError(f"`drafter` must be a hf_paralleldecode.DraftHead, got {type(drafter).__name__}.")
     drafter.check_target(model)
@@ -65,7 +71,7 @@ def _check_settings(model, drafter, tree_budget, tree_width, tree_depth):
             f"tree_depth={depth} exceeds the block_bidirectional head's block_size={drafter.config.block_size}: "
             "one block drafts at most block_size positions. Lower tree_depth."
         )
-    return depth
+    return drafter, depth
 
 
 class _HeadContext:
@@ -316,6 +322,7 @@ class DraftHeadProposer(Proposer):
         nodes = max(self.drafted_nodes / steps, 1e-12)
         return dict(
             mean_accepted_length=self.accepted / max(self.row_steps, 1),
+            tau=self.accepted / max(self.row_steps, 1),
             accepted_lengths=self.accepted_lengths,
             head_forwards_per_step=self.ctx.forwards / steps,
             drafting_cost=(self.ctx.seconds / steps / nodes) / (verify_seconds / steps),
@@ -342,13 +349,14 @@ def speculative(
     """Lossless speculative decoding with a draft head (JetSpec / DFlash); a ``custom_generate`` callable.
 
     Args:
-        drafter: a :class:`hf_paralleldecode.DraftHead` built for this model.
+        drafter: a :class:`hf_paralleldecode.DraftHead` built for this model (or the folder / Hub repo id
+            of one). It is moved to the model's device and dtype and bound to the model.
         tree_budget: B, drafted nodes per step (the verification forward feeds B + 1 tokens).
         tree_width: W, children per node (1 = a chain).
         tree_depth: N, levels below the root (default: the head's ``block_size``).
         pd_streamer: see :func:`hf_paralleldecode.jacobi`.
     """
-    depth = _check_settings(model, drafter, tree_budget, tree_width, tree_depth)
+    drafter, depth = _check_settings(model, drafter, tree_budget, tree_width, tree_depth)
     if drafter.device != model.device or drafter.dtype != model.dtype:
         drafter.to(device=model.device, dtype=model.dtype)
     drafter.bind(model)
