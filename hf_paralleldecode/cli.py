@@ -140,6 +140,18 @@ def _sweep(args) -> int:
     return 0
 
 
+def _regenerate(args) -> int:
+    from .training.regenerate import regenerate
+
+    model, tokenizer, _ = _load(args)
+    ds = regenerate(model, tokenizer, args.prompts, args.output_dir, max_new_tokens=args.max_new_tokens,
+                    batch_size=args.batch_size, prompt_column=args.prompt_column, do_sample=args.do_sample,
+                    temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    tokens = sum(len(r) for r in ds["response_ids"])
+    print(f"{len(ds)} prompts, {tokens} regenerated tokens in {args.output_dir}")
+    return 0
+
+
 def _collect(args) -> int:
 
     from .training.trajectories import collect_trajectories
@@ -265,6 +277,24 @@ def main(argv=None) -> int:
     p_collect.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p_collect.add_argument("--threads", type=int, default=None)
     p_collect.set_defaults(func=_collect)
+
+    p_regen = sub.add_parser("regenerate", help="the model's own continuations of prompts (draft-head training "
+                                                "data; resumable parquet shards, data-parallel under accelerate)")
+    p_regen.add_argument("--model", default="default", help="'default' (embedded model) or a checkpoint path / id")
+    p_regen.add_argument("--prompts", required=True, help=".json / .jsonl / .parquet file with a prompt column")
+    p_regen.add_argument("--prompt-column", default="prompt")
+    p_regen.add_argument("--output-dir", required=True)
+    p_regen.add_argument("--max-new-tokens", type=int, default=256)
+    p_regen.add_argument("--batch-size", type=int, default=8)
+    p_regen.add_argument("--do-sample", action="store_true", help="sample instead of greedy continuations")
+    p_regen.add_argument("--temperature", type=float, default=None)
+    p_regen.add_argument("--top-p", type=float, default=None)
+    p_regen.add_argument("--top-k", type=int, default=None)
+    p_regen.add_argument("--seed", type=int, default=0)
+    p_regen.add_argument("--device", default=None)
+    p_regen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p_regen.add_argument("--threads", type=int, default=None)
+    p_regen.set_defaults(func=_regenerate)
 
     p_demo = sub.add_parser("demo", help="embedded model: same prompts through AR and every strategy")
     _add_model_args(p_demo)

@@ -40,7 +40,7 @@ from ..decoding.jacobi import JacobiProposer
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["collect_trajectories", "load_trajectories", "read_prompts"]
+__all__ = ["collect_trajectories", "load_trajectories", "read_prompts", "run_sharded", "load_shards"]
 
 CONFIG_FILE = "collection_config.json"
 
@@ -142,42 +142,83 @@ def collect_trajectories(
     seed: int = 0,
     progress: bool = True,
 ):
-    """Collect Jacobi trajectories for ``prompts`` into ``output_dir`` (resumable); return the dataset."""
-    from tqdm.auto import tqdm
-
+    """Collect Jacobi trajectories for ``prompts`` into ``output_dir`` (resumable, data-parallel under
+    ``accelerate launch``: see :func:`run_sharded`); return the dataset."""
     for name, value, low in (("block_size", block_size, 2), ("max_new_tokens", max_new_tokens, 1),
                              ("batch_size", batch_size, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"`{name}` must be an integer >= {low}, got {value!r}.")
     texts = read_prompts(prompts, prompt_column)
-    out = Path(output_dir)
-    out.mkdir(parents=True, exist_ok=True)
     config = dict(block_size=block_size, max_new_tokens=max_new_tokens, seed=seed, num_prompts=len(texts),
                   model=getattr(model.config, "_name_or_path", "") or type(model).__name__)
+    out = run_sharded(
+        texts, output_dir, config, batch_size, progress, "trajectories",
+        lambda ids: _collect_chunk(model, tokenizer, texts, ids, block_size, max_new_tokens, max_repeat, seed),
+        tokenizer,
+    )
+    return load_trajectories(out, drop_degenerate=False)
+
+
+def process_share() -> tuple[int, int]:
+    """``(rank, world_size)`` of this process under ``accelerate launch`` / ``torchrun`` (``(0, 1)`` alone)."""
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    if not 0 <= rank < world:
+        raise ValueError(f"Inconsistent RANK={rank} / WORLD_SIZE={world}.")
+    return rank, world
+
+
+def run_sharded(texts, output_dir, config: dict, batch_size: int, progress: bool, desc: str, make_rows, tokenizer):
+    """Process ``texts`` in chunks written as atomic parquet shards; resumable and data-parallel.
+
+    ``make_rows(prompt_ids)`` returns one row (a dict with ``prompt_id``) per prompt of a chunk.
+    Rerunning skips the prompts already in shards (every prompt ends in exactly one shard, also
+    after a SIGKILL). Under ``accelerate launch`` each process takes the prompts with
+    ``prompt_id % world_size == rank``; shards are named by their first prompt id, so processes
+    never write the same file, and a killed multi-process run resumes exactly. A restart with other
+    settings (``config``) is refused.
+    """
+    from tqdm.auto import tqdm
+
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rank, world = process_share()
     config_path = out / CONFIG_FILE
     if config_path.exists():
         previous = json.loads(config_path.read_text())
         diff = {k: (previous.get(k), v) for k, v in config.items() if previous.get(k) != v}
         if diff:
             raise ValueError(f"{out} holds a collection with other settings {diff} (old, new); use a new output_dir.")
-    else:
-        config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    for tmp in out.glob("*.tmp"):
-        tmp.unlink()  # leftovers of a killed run
+    else:  # every process may get here first: write the same content atomically
+        tmp = config_path.with_name(f"{CONFIG_FILE}.{rank}.tmp")
+        tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        os.replace(tmp, config_path)
+    for tmp in out.glob(f"*.{rank}.tmp"):
+        tmp.unlink()  # this process's leftovers of a killed run
     done = set()
     for shard in sorted(out.glob("shard-*.parquet")):
         done.update(_read_ids(shard))
-    todo = [i for i in range(len(texts)) if i not in done]
+    mine = [i for i in range(len(texts)) if i % world == rank]
+    todo = [i for i in mine if i not in done]
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    bar = tqdm(total=len(texts), initial=len(done), disable=not progress, desc="trajectories")
+    bar = tqdm(total=len(mine), initial=len(mine) - len(todo), disable=not progress or rank != 0, desc=desc)
     for start in range(0, len(todo), batch_size):
         ids = todo[start : start + batch_size]
-        _collect_chunk(model, tokenizer, texts, ids, out, block_size, max_new_tokens, max_repeat, seed)
+        _write_shard(make_rows(ids), out, ids[0], rank)
         bar.update(len(ids))
     bar.close()
-    return load_trajectories(out, drop_degenerate=False)
+    return out
+
+
+def _write_shard(rows: list[dict], out: Path, first_id: int, rank: int) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    final = out / f"shard-{first_id:08d}.parquet"
+    tmp = out / f"shard-{first_id:08d}.parquet.{rank}.tmp"
+    pq.write_table(pa.Table.from_pylist(rows), tmp)
+    os.replace(tmp, final)
 
 
 def _read_ids(shard: Path) -> list[int]:
@@ -186,10 +227,7 @@ def _read_ids(shard: Path) -> list[int]:
     return pq.read_table(shard, columns=["prompt_id"]).column("prompt_id").to_pylist()
 
 
-def _collect_chunk(model, tokenizer, texts, ids, out, block_size, max_new_tokens, max_repeat, seed):
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
+def _collect_chunk(model, tokenizer, texts, ids, block_size, max_new_tokens, max_repeat, seed):
     enc = tokenizer([texts[i] for i in ids], return_tensors="pt", padding=True).to(model.device)
     sink: dict[int, list] = {b: [] for b in range(len(ids))}
     with torch.no_grad():  # one token more: the last block is iterated at full width and completed by its bonus
@@ -210,19 +248,20 @@ def _collect_chunk(model, tokenizer, texts, ids, out, block_size, max_new_tokens
             trajectories=[states for states, _ in blocks], fixed_points=[fixed for _, fixed in blocks],
             degenerate=bool(max_repeat) and _max_run(response) >= max_repeat,
         ))
-    table = pa.Table.from_pylist(rows)
-    final = out / f"shard-{ids[0]:08d}.parquet"
-    tmp = final.with_suffix(".parquet.tmp")
-    pq.write_table(table, tmp)
-    os.replace(tmp, final)
+    return rows
 
 
-def load_trajectories(output_dir: str | os.PathLike, drop_degenerate: bool = True):
-    """The collected trajectories as a ``datasets.Dataset`` sorted by ``prompt_id``."""
+def load_shards(output_dir: str | os.PathLike, what: str = "trajectory"):
+    """The shards of ``output_dir`` as one ``datasets.Dataset`` sorted by ``prompt_id``."""
     import datasets
 
     shards = sorted(str(p) for p in Path(output_dir).glob("shard-*.parquet"))
     if not shards:
-        raise ValueError(f"No trajectory shards in {output_dir}.")
-    ds = datasets.load_dataset("parquet", data_files=shards, split="train").sort("prompt_id")
+        raise ValueError(f"No {what} shards in {output_dir}.")
+    return datasets.load_dataset("parquet", data_files=shards, split="train").sort("prompt_id")
+
+
+def load_trajectories(output_dir: str | os.PathLike, drop_degenerate: bool = True):
+    """The collected trajectories as a ``datasets.Dataset`` sorted by ``prompt_id``."""
+    ds = load_shards(output_dir)
     return ds.filter(lambda row: not row["degenerate"]) if drop_degenerate else ds
