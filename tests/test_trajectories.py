@@ -118,3 +118,26 @@ def test_block_ending_in_eos_is_recorded(tmp_path):
     ds = collect_trajectories(model, tok, PROMPTS[:1], tmp_path, block_size=4, max_new_tokens=12, progress=False)
     assert ds[0]["response_ids"] == greedy[: end + 1]
     assert [t for b in ds[0]["fixed_points"] for t in b] == greedy[: end + 1]
+
+
+@pytest.mark.slow
+def test_collect_runs_data_parallel_under_accelerate_launch(tmp_path):
+    from test_train_cli import _free_port
+
+    model = tiny_model("llama")
+    model.save_pretrained(tmp_path / "model")
+    word_tokenizer().save_pretrained(tmp_path / "model")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"t{5 + i} t{7 + i}"}) + "\n" for i in range(10)))
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+           "--main_process_port", str(_free_port()), "-m", "hf_paralleldecode.cli", "collect",
+           "--model", str(tmp_path / "model"), "--prompts", str(prompts), "--output-dir", str(out),
+           "--block-size", "4", "--max-new-tokens", "12", "--batch-size", "2", "--threads", "1"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", TQDM_DISABLE="1", ACCELERATE_USE_CPU="true")
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ds = load_trajectories(out, drop_degenerate=False)
+    assert sorted(ds["prompt_id"]) == list(range(10))
+    assert {int(p.stem.split("-")[1]) % 2 for p in out.glob("shard-*.parquet")} == {0, 1}
