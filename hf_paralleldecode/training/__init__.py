@@ -1,7 +1,16 @@
-"""Training: trajectory collection, packing, losses (pure functions) and trl-style trainers."""
+"""Training: trajectory collection, regenerated data, packing, losses (pure functions) and trl-style trainers."""
 
 from .collators import ConsistencyCollator, ProgressiveCollator
-from .losses import ar_loss, consistency_loss, divergence, progressive_consistency_loss
+from .draft_head import DraftHeadCollator, DraftHeadDistillationConfig, DraftHeadDistillationTrainer
+from .losses import (
+    ar_loss,
+    consistency_loss,
+    divergence,
+    draft_distillation_loss,
+    position_weights,
+    progressive_consistency_loss,
+)
+from .regenerate import load_regenerated, regenerate
 from .trainers import (
     ConsistencyConfig,
     ConsistencyTrainer,
@@ -12,6 +21,13 @@ from .trajectories import collect_trajectories, load_trajectories
 
 __all__ = [
     "ConsistencyCollator",
+    "DraftHeadCollator",
+    "DraftHeadDistillationConfig",
+    "DraftHeadDistillationTrainer",
+    "draft_distillation_loss",
+    "load_regenerated",
+    "position_weights",
+    "regenerate",
     "ConsistencyConfig",
     "ConsistencyTrainer",
     "ProgressiveCollator",

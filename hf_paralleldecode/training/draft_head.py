@@ -1,0 +1,205 @@
+"""Draft-head distillation in trl style: ``DraftHeadDistillationConfig`` / ``DraftHeadDistillationTrainer``.
+
+Per batch (JetSpec "Data Preparation", Eq. 11-14)
+    * the frozen target runs once without gradients over ``prompt + regenerated response``: its
+      logits are the teachers and its tapped layers (forward hooks) the head's context features;
+    * the collator samples up to ``max_anchors`` anchors per sequence in the response; each anchor
+      ``a`` gets a block predicting tokens ``a+1 .. a+block_size`` whose teacher is the target's
+      distribution at ``a+k-1``, weighted by ``w_k`` (uniform, or ``exp(-(k-1)/gamma)``);
+    * ONE head forward covers every block of the batch: the context is every position's feature,
+      and a block sees only context strictly before its anchor plus its own slots (no cross-block
+      visibility), laid out with the *same slot conventions the drafter uses at inference*
+      (``drafters/head.py``):
+        - ``block_bidirectional``: ``[anchor, MASK x block_size]``, bidirectional in the block;
+        - ``tree_causal``: real tokens ``a .. a+block_size-1`` (teacher-forced: the regenerated
+          tokens, i.e. what the target committed) plus a MASK query under each, the query at depth
+          ``k`` seeing the real tokens above it: exactly a chain of the inference tree.
+      A test checks that the training forward gives the same draft logits as the inference drafter.
+    * loss: :func:`~hf_paralleldecode.training.losses.draft_distillation_loss` (forward KL with
+      the ``T^2`` prefactor by default, reverse KL or SFT), divided by the total weight of the
+      optimizer step over all micro-batches and processes (exact under gradient accumulation).
+
+Only the head trains and is saved (``save_model`` / ``push_to_hub`` write the head, its config and
+its card); the target is never updated or saved. Under ``accelerate launch`` the frozen target is
+replicated on every process (it is not wrapped by the accelerator), like the reference model of
+the consistency trainers.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+from transformers import Trainer, TrainingArguments
+
+from ..decoding.target import HiddenStateTaps
+from .losses import DISTILLATION_OBJECTIVES, draft_distillation_loss, position_weights
+
+__all__ = ["DraftHeadDistillationConfig", "DraftHeadDistillationTrainer", "DraftHeadCollator", "block_layout"]
+
+
+@dataclass
+class DraftHeadDistillationConfig(TrainingArguments):
+    max_anchors: int = field(default=512, metadata={"help": "Anchors (blocks) sampled per sequence, at most."})
+    objective: str = field(default="forward_kl", metadata={"help": f"Loss, one of {DISTILLATION_OBJECTIVES}."})
+    kd_temperature: float = field(default=1.0, metadata={"help": "T_KD of the KL objectives (the loss carries T^2)."})
+    gamma: float | None = field(default=None, metadata={"help": (
+        "Position-weight decay w_k = exp(-(k-1)/gamma); None = uniform (JetSpec's causal head). DFlash uses 7.")})
+    base_model_name_or_path: str | None = field(default=None, metadata={"help": "The target, for the model card."})
+    remove_unused_columns: bool = field(default=False, metadata={"help": "Keep the data columns for the collator."})
+
+    def __post_init__(self):
+        super().__post_init__()
+        if isinstance(self.max_anchors, bool) or not isinstance(self.max_anchors, int) or self.max_anchors < 1:
+            raise ValueError(f"max_anchors must be an integer >= 1, got {self.max_anchors!r}.")
+        if self.objective not in DISTILLATION_OBJECTIVES:
+            raise ValueError(f"objective must be one of {DISTILLATION_OBJECTIVES}, got {self.objective!r}.")
+        if self.kd_temperature <= 0:
+            raise ValueError(f"kd_temperature must be > 0, got {self.kd_temperature}.")
+        if self.gamma is not None and self.gamma <= 0:
+            raise ValueError(f"gamma must be > 0 or None, got {self.gamma}.")
+        if self.remove_unused_columns:
+            raise ValueError("remove_unused_columns must stay False: the collator needs the data columns.")
+
+
+class DraftHeadCollator:
+    """Pads ``input_ids`` (right), samples anchors in each response and weights their block positions.
+
+    Rows need ``input_ids`` and ``prompt_ids`` (the response starts after the prompt). Output:
+    ``input_ids`` / ``attention_mask`` ``[B, T]``, ``anchors`` ``[B, A]`` (``-1`` = none) and
+    ``weights`` ``[B, A, block_size]`` (``w_k``, 0 past the sequence or for no anchor).
+    """
+
+    def __init__(self, block_size: int, max_anchors: int = 512, gamma: float | None = None, pad_token_id: int = 0,
+                 seed: int = 0):
+        self.block_size, self.max_anchors, self.pad = block_size, max_anchors, pad_token_id
+        self.w = position_weights(block_size, gamma)
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __call__(self, rows):
+        for r in rows:
+            if "input_ids" not in r or "prompt_ids" not in r:
+                raise ValueError("Draft-head training rows need `input_ids` and `prompt_ids` (from `regenerate`).")
+        seqs = [list(r["input_ids"]) for r in rows]
+        T = max(map(len, seqs))
+        ids = torch.full((len(rows), T), self.pad, dtype=torch.long)
+        mask = torch.zeros(len(rows), T, dtype=torch.long)
+        picks = []
+        for b, (seq, r) in enumerate(zip(seqs, rows)):
+            ids[b, : len(seq)] = torch.tensor(seq)
+            mask[b, : len(seq)] = 1
+            first = max(len(r["prompt_ids"]) - 1, 0)
+            candidates = torch.arange(first, len(seq) - 1)  # an anchor predicts at least one token
+            order = torch.randperm(len(candidates), generator=self.generator)[: self.max_anchors]
+            picks.append(candidates[order].sort().values)
+        A = max(1, max(len(p) for p in picks))
+        anchors = torch.full((len(rows), A), -1, dtype=torch.long)
+        weights = torch.zeros(len(rows), A, self.block_size)
+        k = torch.arange(1, self.block_size + 1)
+        for b, p in enumerate(picks):
+            anchors[b, : len(p)] = p
+            inside = (p[:, None] + k[None]) < int(mask[b].sum())  # the predicted token exists
+            weights[b, : len(p)] = self.w[None] * inside
+        return dict(input_ids=ids, attention_mask=mask, anchors=anchors, weights=weights)
+
+
+def block_layout(kind: str, block_size: int, anchors: torch.Tensor, tokens: torch.Tensor, mask_token_id: int):
+    """Slots of every anchor's block, as the drafter lays them out at inference.
+
+    Returns ``ids`` / ``positions`` ``[B, A * S]``, ``intra`` ``[S, S]`` (bool, who sees whom inside a
+    block) and ``query`` ``[block_size]``: the slot predicting depth ``k`` (``1..block_size``).
+    """
+    B, A = anchors.shape
+    a = anchors.clamp(min=0)
+    k = torch.arange(block_size + 1)
+    if kind == "block_bidirectional":
+        S = block_size + 1
+        pos = a[..., None] + k  # [B, A, S]
+        ids = torch.full((B, A, S), mask_token_id, dtype=torch.long)
+        ids[..., 0] = tokens.gather(1, a)
+        intra = torch.ones(S, S, dtype=torch.bool)
+        query = torch.arange(1, S)
+    else:  # tree_causal: real tokens r_0..r_{n-1} at slots 0..n-1, queries m_1..m_n at slots n..2n-1
+        n, S = block_size, 2 * block_size
+        real_pos = a[..., None] + k[:n]
+        real = tokens.gather(1, real_pos.reshape(B, -1).clamp(max=tokens.shape[1] - 1)).reshape(B, A, n)
+        ids = torch.cat([real, torch.full((B, A, n), mask_token_id, dtype=torch.long)], dim=-1)
+        pos = torch.cat([real_pos, real_pos + 1], dim=-1)
+        intra = torch.zeros(S, S, dtype=torch.bool)
+        intra[:n, :n] = torch.ones(n, n, dtype=torch.bool).tril()  # real slots: causal chain
+        intra[n:, :n] = torch.ones(n, n, dtype=torch.bool).tril()  # query m_k sees r_0..r_{k-1}
+        intra[n:, n:] = torch.eye(n, dtype=torch.bool)  # and itself
+        query = torch.arange(n, S)
+    return ids.reshape(B, A * S), pos.reshape(B, A * S), intra, query
+
+
+class DraftHeadDistillationTrainer(Trainer):
+    """Trains a :class:`~hf_paralleldecode.DraftHead` (``model``) against a frozen ``target_model``."""
+
+    loss_is_scaled_for_ga = True
+
+    def __init__(self, model=None, args=None, target_model=None, data_collator=None, **kwargs):
+        if target_model is None:
+            raise ValueError("DraftHeadDistillationTrainer needs `target_model=` (the frozen model the head drafts for).")
+        model.check_target(target_model)
+        if data_collator is None and args is not None:
+            pad = target_model.generation_config.pad_token_id
+            data_collator = DraftHeadCollator(model.config.block_size, args.max_anchors, args.gamma,
+                                              pad if pad is not None else 0, seed=args.seed)
+        super().__init__(model=model, args=args, data_collator=data_collator, **kwargs)
+        self.target = target_model.to(self.args.device).eval().requires_grad_(False)
+        self.accelerator.unwrap_model(self.model).bind(self.target)
+        self._taps = HiddenStateTaps(self.target, model.config.target_layer_ids)
+        self._metrics = defaultdict(list)
+
+    def _get_num_items_in_batch(self, batch_samples, device):
+        if not batch_samples:
+            return None
+        total = sum(b["weights"].sum() for b in batch_samples).to(device)
+        if self.args.world_size > 1:
+            total = self.accelerator.gather(total[None]).sum()
+        return total
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        head = self.accelerator.unwrap_model(model)
+        c = head.config
+        ids, attn, anchors, weights = (inputs[k] for k in ("input_ids", "attention_mask", "anchors", "weights"))
+        device = ids.device
+        with torch.no_grad():
+            teacher_all = self.target(input_ids=ids, attention_mask=attn).logits.float()  # [B, T, V]
+            feats = self._taps.features()  # [B, T, F]
+        B, T = ids.shape
+        slot_ids, slot_pos, intra, query = block_layout(c.attention, c.block_size, anchors.cpu(), ids.cpu(),
+                                                        c.mask_token_id)
+        A, S = anchors.shape[1], intra.shape[0]
+        # mask [B, A*S, T + A*S]: context strictly before the block's anchor, then its own block only
+        ctx = torch.arange(T)[None, None] < anchors.cpu().clamp(min=0).repeat_interleave(S, dim=1)[..., None]
+        ctx &= attn.cpu().bool()[:, None, :]
+        blocks = torch.block_diag(*[intra] * A)[None].expand(B, -1, -1)
+        allowed = torch.cat([ctx, blocks], dim=-1).to(device)
+        mask = torch.zeros(allowed.shape, dtype=head.dtype, device=device).masked_fill_(~allowed,
+                                                                                        torch.finfo(head.dtype).min)
+        positions = torch.cat([torch.arange(T)[None].expand(B, -1), slot_pos], dim=1).to(device)
+        hidden = model(head.embed(slot_ids.to(device)), feats, mask[:, None], positions)  # [B, A*S, H]
+        hidden = hidden.reshape(B, A, S, -1)[:, :, query.to(device)]  # [B, A, n, H]
+        student = head.logits(hidden)  # [B, A, n, V]
+        k = torch.arange(c.block_size, device=device)
+        teacher_pos = (anchors.clamp(min=0)[..., None] + k).clamp(max=T - 1)  # logits at a+k-1 predict a+k
+        teacher = teacher_all.gather(1, teacher_pos.reshape(B, -1, 1).expand(-1, -1, teacher_all.shape[-1]))
+        teacher = teacher.reshape(B, A, c.block_size, -1)
+        labels = ids.gather(1, (teacher_pos + 1).clamp(max=T - 1).reshape(B, -1)).reshape(B, A, c.block_size)
+        loss = draft_distillation_loss(student, teacher, weights.to(device), self.args.objective,
+                                       self.args.kd_temperature, labels=labels, num_items_in_batch=num_items_in_batch)
+        with torch.no_grad():
+            w = weights.to(device)
+            agree = ((student.argmax(-1) == teacher.argmax(-1)).float() * w).sum() / w.sum().clamp(min=1e-12)
+        self._metrics["draft_agreement"].append(float(agree))
+        if num_items_in_batch is not None and self.args.world_size > 1:
+            loss = loss * self.accelerator.num_processes  # the DDP gradient mean divides it back out
+        return (loss, {"student": student}) if return_outputs else loss
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        logs.update({k: round(sum(v) / len(v), 4) for k, v in self._metrics.items() if v})
+        self._metrics.clear()
+        super().log(logs, start_time)
