@@ -84,3 +84,26 @@ def test_two_processes_under_accelerate_launch(setup, tmp_path):
     ids = torch.tensor([[5, 6, 7]])
     assert torch.equal(model.generate(input_ids=ids, max_new_tokens=10, do_sample=False),
                        model.generate(input_ids=ids, max_new_tokens=10, decoding="stock", do_sample=False))
+
+
+@pytest.mark.parametrize("attention", ["tree_causal", "block_bidirectional"])
+def test_train_cli_draft_head_recipe(setup, tmp_path, attention):
+    from hf_paralleldecode.training.regenerate import regenerate
+
+    regen = tmp_path / "regen"
+    regenerate(tiny_model("llama"), word_tokenizer(), [f"t{5 + i} t{6 + i}" for i in range(8)], regen,
+               max_new_tokens=12, progress=False)
+    recipe = dict(method="draft_head", model_name_or_path=str(setup / "model"), trajectories=str(regen),
+                  output_dir=str(tmp_path / "head"), head_attention=attention, head_num_hidden_layers=1,
+                  head_block_size=3, max_anchors=8, per_device_train_batch_size=4, max_steps=2, learning_rate=1e-3,
+                  logging_steps=1, save_strategy="no", use_cpu=True, report_to="none", seed=0)
+    path = tmp_path / "dh.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    assert cli.main(["train", "--config", str(path)]) == 0
+    head = hfpd.DraftHead.from_pretrained(tmp_path / "head")
+    assert head.config.attention == attention and head.config.block_size == 3
+    target = hfpd.load_model(setup / "model", drafter=tmp_path / "head")
+    ids = torch.tensor([[5, 6, 7]])
+    out = target.generate(input_ids=ids, max_new_tokens=10, return_dict_in_generate=True)
+    assert out.decoding == "speculative"
+    assert torch.equal(out.sequences, target.generate(input_ids=ids, max_new_tokens=10, decoding="stock"))

@@ -1,8 +1,10 @@
 """``hf-paralleldecode train --config RECIPE.yaml [--key value ...]``: one entry point for every recipe.
 
-A recipe is a YAML mapping: ``method`` (``cllm`` or ``jacobi_forcing``), ``model_name_or_path``,
-``trajectories`` (a directory written by ``hf-paralleldecode collect``) and any field of the
-method's config class (``ConsistencyConfig`` / ``ProgressiveConsistencyConfig``, i.e. every
+A recipe is a YAML mapping: ``method`` (``cllm``, ``jacobi_forcing`` or ``draft_head``),
+``model_name_or_path``, ``trajectories`` (a directory written by ``hf-paralleldecode collect``, or by
+``regenerate`` for ``draft_head``, whose head is described by the ``head_*`` keys) and any field of
+the method's config class (``ConsistencyConfig`` / ``ProgressiveConsistencyConfig`` /
+``DraftHeadDistillationConfig``, i.e. every
 ``TrainingArguments`` field plus the method's own). Command-line ``--key value`` pairs override
 the file (``HfArgumentParser`` rules). Runs under ``accelerate launch`` as is.
 """
@@ -16,14 +18,23 @@ from pathlib import Path
 __all__ = ["ScriptArguments", "train_main"]
 
 METHODS = {"cllm": ("ConsistencyConfig", "ConsistencyTrainer"),
-           "jacobi_forcing": ("ProgressiveConsistencyConfig", "ProgressiveConsistencyTrainer")}
+           "jacobi_forcing": ("ProgressiveConsistencyConfig", "ProgressiveConsistencyTrainer"),
+           "draft_head": ("DraftHeadDistillationConfig", "DraftHeadDistillationTrainer")}
 
 
 @dataclass
 class ScriptArguments:
     method: str = field(metadata={"help": f"Training method, one of {sorted(METHODS)}."})
     model_name_or_path: str = field(metadata={"help": "Base model: 'default' (embedded demo model), a path or Hub id."})
-    trajectories: str = field(metadata={"help": "Directory of trajectories written by `hf-paralleldecode collect`."})
+    trajectories: str = field(metadata={"help": (
+        "Training data: trajectories written by `hf-paralleldecode collect` (cllm, jacobi_forcing) or "
+        "continuations written by `hf-paralleldecode regenerate` (draft_head).")})
+    head_attention: str = field(default="tree_causal", metadata={"help": "draft_head: 'tree_causal' or 'block_bidirectional'."})
+    head_num_hidden_layers: int = field(default=1, metadata={"help": "draft_head: layers of the new head."})
+    head_block_size: int = field(default=16, metadata={"help": "draft_head: drafted positions per block."})
+    head_target_layer_ids: list[int] | None = field(default=None, metadata={"help": (
+        "draft_head: target layers to tap (default: spread through the depth).")})
+    init_head: str | None = field(default=None, metadata={"help": "draft_head: start from this saved head instead."})
     drop_degenerate: bool = field(default=True, metadata={"help": "Skip responses flagged as repetitive."})
     attn_implementation: str = field(default="sdpa", metadata={"help": "Attention implementation (4D masks: sdpa or eager)."})
 
@@ -68,11 +79,26 @@ def train_main(argv: list[str]) -> int:
         args.base_model_name_or_path = EMBEDDED_MODELS.get(script.model_name_or_path, str(model_path))
     model = AutoModelForCausalLM.from_pretrained(model_path, attn_implementation=script.attn_implementation,
                                                  use_safetensors=True)
-    dataset = load_trajectories(script.trajectories, drop_degenerate=script.drop_degenerate)
-    if len(dataset) == 0:
-        raise ValueError(f"No usable trajectories in {script.trajectories}.")
     tokenizer = load_tokenizer(model_path)  # saved with the checkpoint
-    trainer = trainer_cls(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
+    if method == "draft_head":
+        from ..drafters.head import DraftHead
+        from .regenerate import load_regenerated
+
+        dataset = load_regenerated(script.trajectories)
+        if script.init_head:
+            head = DraftHead.from_pretrained(script.init_head, use_safetensors=True)
+        else:
+            head = DraftHead.for_target(model, attention=script.head_attention,
+                                        num_hidden_layers=script.head_num_hidden_layers,
+                                        block_size=script.head_block_size,
+                                        target_layer_ids=script.head_target_layer_ids,
+                                        target_name_or_path=args.base_model_name_or_path)
+        trainer = trainer_cls(model=head.train(), args=args, target_model=model, train_dataset=dataset)
+    else:
+        dataset = load_trajectories(script.trajectories, drop_degenerate=script.drop_degenerate)
+        if len(dataset) == 0:
+            raise ValueError(f"No usable trajectories in {script.trajectories}.")
+        trainer = trainer_cls(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
     trainer.train()
     trainer.save_model(args.output_dir)
     if trainer.is_world_process_zero():
