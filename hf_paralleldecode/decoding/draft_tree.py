@@ -41,6 +41,7 @@ class TreeBuilder:
         self.budget, self.width, self.max_depth, self.exact = budget, width, max_depth, exact
         self.children: dict[int, list[tuple[int, float]]] = {}
         self.frozen: set[int] = set()  # nodes that may not be evaluated any more (wave cap)
+        self.unevaluated: set[int] = {0} if max_depth > 0 else set()  # expandable nodes without children yet
         self._seq = itertools.count()
         self._heap: list = []
         if not exact:
@@ -64,6 +65,8 @@ class TreeBuilder:
         self.parents.append(parent)
         self.depth.append(self.depth[parent] + 1)
         self.score.append(self.score[parent] + logq)
+        if self.depth[node] < self.max_depth:
+            self.unevaluated.add(node)
         return node
 
     def _expandable(self, node: int) -> bool:
@@ -71,18 +74,20 @@ class TreeBuilder:
 
     def _pending(self) -> list[int]:
         """Inserted, expandable nodes whose children are not known yet."""
-        return [v for v in range(len(self.tokens)) if v not in self.children and self._expandable(v)]
+        return sorted(self.unevaluated)
 
     def give(self, node: int, children: list[tuple[int, float]]) -> None:
         """The drafter's children of ``node`` in try order: ``[(token, log q), ...]`` (at most ``W`` used)."""
         self.children[node] = children[: self.width]
+        self.unevaluated.discard(node)
         if self.exact and self.children[node]:
             tok, lq = self.children[node][0]
             heapq.heappush(self._heap, (-(self.score[node] + lq), next(self._seq), node, 0))
 
     def freeze(self) -> None:
         """No more evaluations: unevaluated nodes stay leaves."""
-        self.frozen.update(self._pending())
+        self.frozen.update(self.unevaluated)
+        self.unevaluated.clear()
 
     def wanted(self) -> list[int]:
         """Grow as far as possible; return the nodes to evaluate next ([] when the tree is finished)."""
@@ -92,10 +97,10 @@ class TreeBuilder:
 
     def _grow_exact(self) -> list[int]:
         while self.drafted < self.budget:
-            pending = self._pending()
-            best_pending = max((self.score[v] for v in pending), default=None)
-            if pending and (not self._heap or best_pending > -self._heap[0][0]):
-                return pending
+            if self.unevaluated:
+                best_pending = max(self.score[v] for v in self.unevaluated)
+                if not self._heap or best_pending > -self._heap[0][0]:
+                    return self._pending()
             if not self._heap:
                 return []
             _, _, parent, k = heapq.heappop(self._heap)

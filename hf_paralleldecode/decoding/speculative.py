@@ -198,9 +198,11 @@ class DraftHeadProposer(Proposer):
 
     def _evaluate(self, builders, flat, logits, histories, row_ids, q_store):
         """Give every wanted node ``flat[k] = (row, node)`` its children from raw ``logits[k]`` ``[V]``."""
-        prefixes = [torch.cat([histories[i], torch.tensor([builders[i].tokens[u] for u in builders[i].path(v)],
-                                                          dtype=torch.long, device=histories[i].device)])
-                    for i, v in flat]
+        prefixes = None  # processors blind to the prefix (or none): no per-node prefixes to build
+        if not prefix_independent(self.run.logits_processor or []):
+            prefixes = [torch.cat([histories[i], torch.tensor([builders[i].tokens[u] for u in builders[i].path(v)],
+                                                              dtype=torch.long, device=histories[i].device)])
+                        for i, v in flat]
         q, kids = self._children(logits, prefixes, [row_ids[i] for i, _ in flat])
         for k, (i, v) in enumerate(flat):
             builders[i].give(v, kids[k])
