@@ -109,3 +109,20 @@ def test_demo_command_shows_base_and_trained_model(capsys):
     assert "identical to the model's own AR greedy output for every strategy: yes" in out
     with pytest.raises(ValueError, match="Unknown embedded model"):
         hfpd.default_model_path("default-nope")
+
+
+@pytest.mark.parametrize("alias, kind", [("default-jetspec", "tree_causal"), ("default-dflash", "block_bidirectional")])
+def test_shipped_draft_heads_load_by_alias_and_decode_the_embedded_model_losslessly(alias, kind):
+    from hf_paralleldecode import DraftHead
+
+    model, tokenizer = hfpd.load_default_model()
+    head = DraftHead.from_pretrained(alias)
+    assert head.config.attention == kind and head.config.target_name_or_path == "stdlib-coder-8m"
+    tokenizer.padding_side = "left"
+    enc = tokenizer(["def parse_args(argv):\n    ", "class Config:\n    def __init__(self"], return_tensors="pt",
+                    padding=True)
+    kwargs = dict(**enc, max_new_tokens=48, do_sample=False)
+    ref = model.generate(**kwargs, decoding="stock")
+    out = model.generate(**kwargs, decoding="speculative", drafter=head, tree_budget=8, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, ref)
+    assert out.stats["mean_accepted_length"] > 1.5  # a trained head drafts tokens the model accepts

@@ -36,9 +36,15 @@ from pathlib import Path
 import torch
 from transformers import PretrainedConfig, PreTrainedModel
 
-__all__ = ["DraftHeadConfig", "DraftHead", "HEAD_ATTENTIONS", "default_target_layer_ids"]
+__all__ = ["DraftHeadConfig", "DraftHead", "HEAD_ATTENTIONS", "EMBEDDED_HEADS", "default_target_layer_ids"]
 
 HEAD_ATTENTIONS = ("tree_causal", "block_bidirectional")
+
+#: shipped heads for the embedded model (``DraftHead.from_pretrained("default-jetspec")``) -> folder under assets/
+EMBEDDED_HEADS = {
+    "default-jetspec": "stdlib-coder-8m-jetspec-head",  # recipes/draft_head_tiny_cpu.yaml
+    "default-dflash": "stdlib-coder-8m-dflash-head",  # recipes/dflash_head_tiny_cpu.yaml
+}
 
 
 def default_target_layer_ids(num_target_layers: int, count: int) -> list[int]:
@@ -196,6 +202,14 @@ class DraftHead(PreTrainedModel):
         elif hasattr(module, "weight") and isinstance(getattr(module, "weight", None), torch.nn.Parameter) and \
                 module.weight.dim() == 1:
             module.weight.data.fill_(1.0)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        """``PreTrainedModel.from_pretrained``, plus the shipped heads' aliases (:data:`EMBEDDED_HEADS`)."""
+        if isinstance(pretrained_model_name_or_path, str) and pretrained_model_name_or_path in EMBEDDED_HEADS:
+            pretrained_model_name_or_path = Path(__file__).resolve().parent.parent / "assets" / \
+                EMBEDDED_HEADS[pretrained_model_name_or_path]
+        return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
 
     # ---- building and checking ---------------------------------------------------------------
     @classmethod
