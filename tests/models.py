@@ -116,3 +116,33 @@ class ForwardRecorder:
 
     def restore(self):
         del self.model.forward
+
+
+def launch_two_processes(cli_args: list[str], timeout: int = 600):
+    """Run ``hf_paralleldecode.cli CLI_ARGS`` as 2 CPU processes under ``accelerate launch`` (gloo); assert success."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+           "--main_process_port", str(port), "-m", "hf_paralleldecode.cli", *cli_args]
+    env = dict(os.environ, OMP_NUM_THREADS="1", TQDM_DISABLE="1", ACCELERATE_USE_CPU="true")
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def saved_model_and_prompts(root, prompts: list[str]):
+    """A tiny Llama + word tokenizer saved under ``root/model`` and ``prompts`` as ``root/prompts.jsonl``."""
+    import json
+
+    tiny_model("llama").save_pretrained(root / "model")
+    word_tokenizer().save_pretrained(root / "model")
+    path = root / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    return root / "model", path

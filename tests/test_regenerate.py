@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
-from models import tiny_model, word_tokenizer
+from models import launch_two_processes, saved_model_and_prompts, tiny_model, word_tokenizer
 
 from hf_paralleldecode.training.regenerate import load_regenerated, regenerate
 
@@ -51,23 +46,11 @@ def test_sampling_is_reproducible_and_settings_are_checked(tmp_path):
 
 @pytest.mark.slow
 def test_two_processes_share_the_prompts_and_resume_exactly(tmp_path):
-    model = tiny_model("llama")
-    model.save_pretrained(tmp_path / "model")
-    word_tokenizer().save_pretrained(tmp_path / "model")
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    model_dir, prompts = saved_model_and_prompts(tmp_path, PROMPTS)
     out = tmp_path / "out"
-    from test_train_cli import _free_port
-
     def launch():
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-               "--main_process_port", str(_free_port()), "-m", "hf_paralleldecode.cli", "regenerate",
-               "--model", str(tmp_path / "model"), "--prompts", str(prompts), "--output-dir", str(out),
-               "--max-new-tokens", "8", "--batch-size", "2", "--threads", "1"]
-        env = dict(os.environ, OMP_NUM_THREADS="1", TQDM_DISABLE="1", ACCELERATE_USE_CPU="true")
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        launch_two_processes(["regenerate", "--model", str(model_dir), "--prompts", str(prompts),
+                              "--output-dir", str(out), "--max-new-tokens", "8", "--batch-size", "2", "--threads", "1"])
 
     launch()
     ds = load_regenerated(out)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -11,7 +10,7 @@ import time
 
 import pytest
 import torch
-from models import tiny_model, word_tokenizer
+from models import launch_two_processes, saved_model_and_prompts, tiny_model, word_tokenizer
 
 from hf_paralleldecode.training.trajectories import collect_trajectories, load_trajectories
 
@@ -84,11 +83,8 @@ def test_bad_prompt_files(tmp_path):
 
 @pytest.mark.slow
 def test_sigkill_then_rerun_collects_every_prompt_exactly_once(tmp_path):
-    model = tiny_model("llama")
-    model.save_pretrained(tmp_path / "model")
-    word_tokenizer().save_pretrained(tmp_path / "model")
+    saved_model_and_prompts(tmp_path, [f"t{5 + i % 80} t{6 + i % 80}" for i in range(40)])
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": f"t{5 + i % 80} t{6 + i % 80}"}) + "\n" for i in range(40)))
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "hf_paralleldecode.cli", "collect", "--model", str(tmp_path / "model"),
            "--prompts", str(prompts), "--output-dir", str(out), "--block-size", "4", "--max-new-tokens", "24",
@@ -122,22 +118,11 @@ def test_block_ending_in_eos_is_recorded(tmp_path):
 
 @pytest.mark.slow
 def test_collect_runs_data_parallel_under_accelerate_launch(tmp_path):
-    from test_train_cli import _free_port
-
-    model = tiny_model("llama")
-    model.save_pretrained(tmp_path / "model")
-    word_tokenizer().save_pretrained(tmp_path / "model")
+    saved_model_and_prompts(tmp_path, [f"t{5 + i} t{7 + i}" for i in range(10)])
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": f"t{5 + i} t{7 + i}"}) + "\n" for i in range(10)))
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-           "--main_process_port", str(_free_port()), "-m", "hf_paralleldecode.cli", "collect",
-           "--model", str(tmp_path / "model"), "--prompts", str(prompts), "--output-dir", str(out),
-           "--block-size", "4", "--max-new-tokens", "12", "--batch-size", "2", "--threads", "1"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", TQDM_DISABLE="1", ACCELERATE_USE_CPU="true")
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    launch_two_processes(["collect", "--model", str(tmp_path / "model"), "--prompts", str(prompts), "--output-dir",
+                          str(out), "--block-size", "4", "--max-new-tokens", "12", "--batch-size", "2", "--threads", "1"])
     ds = load_trajectories(out, drop_degenerate=False)
     assert sorted(ds["prompt_id"]) == list(range(10))
     assert {int(p.stem.split("-")[1]) % 2 for p in out.glob("shard-*.parquet")} == {0, 1}
