@@ -41,7 +41,7 @@ from .cache import SlotCache
 from .draft_tree import TreeBuilder
 from .processors import prefix_independent, process_prefixes
 from .target import HiddenStateTaps
-from .tree import PackedTree
+from .tree import PackedTree, tree_from_parents
 
 __all__ = ["speculative"]
 
@@ -278,32 +278,14 @@ class DraftHeadProposer(Proposer):
             self._evaluate(builders, flat, logits, histories, row_ids, q_store)
 
     def _pack(self, builders, q_store) -> PackedTree:
-        b = len(builders)
-        device = self.roots.device
-        width = max(len(bld.tokens) for bld in builders)
-        tokens = torch.zeros(b, width, dtype=torch.long)
-        parents = torch.full((b, width), -1, dtype=torch.long)
-        depth = torch.zeros(b, width, dtype=torch.long)
-        mask = torch.eye(width, dtype=torch.bool).repeat(b, 1, 1)
-        for i, bld in enumerate(builders):
-            n = len(bld.tokens)
-            tokens[i, :n] = torch.tensor(bld.tokens)
-            tokens[i, n:] = bld.tokens[0]
-            parents[i, :n] = torch.tensor(bld.parents)
-            depth[i, :n] = torch.tensor(bld.depth)
-            for v in range(1, n):  # parents precede children
-                mask[i, v] = mask[i, bld.parents[v]]
-                mask[i, v, v] = True
-        num = torch.tensor([len(bld.tokens) for bld in builders])
         q = None
         if self.sample:
-            vocab = self.head.config.target_vocab_size
-            q = torch.zeros(b, width, vocab)
+            q = torch.zeros(len(builders), max(len(bld.tokens) for bld in builders),
+                            self.head.config.target_vocab_size, device=self.roots.device)
             for (i, v), dist in q_store.items():
-                q[i, v] = dist.to(q.device)
-            q = q.to(device)
-        return PackedTree(tokens.to(device), parents.to(device), depth.to(device), num.to(device), mask.to(device),
-                          q=q)
+                q[i, v] = dist
+        return tree_from_parents(self.roots, [bld.tokens for bld in builders], [bld.parents for bld in builders],
+                                 [bld.depth for bld in builders], q=q)
 
     def update(self, tree, verdict) -> None:
         feats = self.taps.features().to(tree.tokens.device)  # [active, nodes, F] of the verification forward

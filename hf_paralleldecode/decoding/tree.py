@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["PackedTree", "pack_trees", "chain_tree"]
+__all__ = ["PackedTree", "pack_trees", "chain_tree", "tree_from_parents"]
 
 
 @dataclass
@@ -109,6 +109,20 @@ def pack_trees(
         rows_tokens.append(toks)
         rows_parents.append(pars)
         rows_depth.append(deps)
+    tree = tree_from_parents(roots, rows_tokens, rows_parents, rows_depth)
+    tree.candidate_nodes = rows_nodes
+    return tree
+
+
+def tree_from_parents(
+    roots: torch.Tensor,  # [batch] root token of each row (also used for filler nodes)
+    rows_tokens: Sequence[Sequence[int]],  # per row: node tokens, node 0 = the root, parents before children
+    rows_parents: Sequence[Sequence[int]],  # per row: parent of each node (-1 for the root)
+    rows_depth: Sequence[Sequence[int]],  # per row: depth of each node (0 for the root)
+    q: torch.Tensor | None = None,
+) -> PackedTree:
+    """Pack per-row node lists (already in topological order) into one :class:`PackedTree`."""
+    batch = roots.shape[0]
     width = max(map(len, rows_tokens))
     device = roots.device
     tokens = roots[:, None].repeat(1, width)
@@ -124,4 +138,4 @@ def pack_trees(
             mask[b, node] = mask[b, rows_parents[b][node]]
             mask[b, node, node] = True
     num_nodes = torch.tensor([len(t) for t in rows_tokens], device=device)
-    return PackedTree(tokens, parents, depth, num_nodes, mask, candidate_nodes=rows_nodes)
+    return PackedTree(tokens, parents, depth, num_nodes, mask, q=q)
