@@ -125,6 +125,8 @@ class _HeadContext:
 
     def select_rows(self, keep):
         self.slots.select_rows(keep)
+        if self.new_feats is not None:
+            self.new_feats, self.new_pos, self.new_valid = self.new_feats[keep], self.new_pos[keep], self.new_valid[keep]
 
 
 class DraftHeadProposer(Proposer):
@@ -145,19 +147,13 @@ class DraftHeadProposer(Proposer):
     def select(self, kept):
         self.roots = self.roots[kept]
         self.ctx.select_rows(kept)
-        if self.ctx.new_feats is not None:
-            c = self.ctx
-            c.new_feats, c.new_pos, c.new_valid = c.new_feats[kept], c.new_pos[kept], c.new_valid[kept]
 
     # ---- children distributions --------------------------------------------------------------
     def _children(self, logits, prefixes, rows):
         """Processed ``q`` and the children lists (try order) for ``n`` nodes: ``logits [n, V]``."""
         run = self.run
-        if prefixes is None:  # only for processors that ignore the prefix
-            scores = process_prefixes(run.logits_processor, logits, [], rows, run.prompt.shape[0]) \
-                if run.logits_processor else logits
-        else:
-            scores = process_prefixes(run.logits_processor, logits, prefixes, rows, run.prompt.shape[0])
+        # prefixes is None only for processors that ignore them (process_prefixes then never reads them)
+        scores = process_prefixes(run.logits_processor, logits, prefixes or [], rows, run.prompt.shape[0])
         logq = torch.log_softmax(scores, dim=-1)
         keys = logq
         if self.sample:
@@ -302,14 +298,14 @@ class DraftHeadProposer(Proposer):
     @property
     def stats(self) -> dict:
         steps = max(self.steps, 1)
-        verify_seconds = max(self.run.target.seconds, 1e-12) * steps / max(self.run.num_forward_passes, 1)
-        nodes = max(self.drafted_nodes / steps, 1e-12)
+        per_verify = max(self.run.target.seconds, 1e-12) / max(self.run.num_forward_passes, 1)
+        per_node = self.ctx.seconds / steps / max(self.drafted_nodes / steps, 1e-12)  # T_draft / N
         return dict(
             mean_accepted_length=self.accepted / max(self.row_steps, 1),
             tau=self.accepted / max(self.row_steps, 1),
             accepted_lengths=self.accepted_lengths,
             head_forwards_per_step=self.ctx.forwards / steps,
-            drafting_cost=(self.ctx.seconds / steps / nodes) / (verify_seconds / steps),
+            drafting_cost=per_node / per_verify,
             head_seconds=self.ctx.seconds,
             draft_host_seconds=self.host,
         )
