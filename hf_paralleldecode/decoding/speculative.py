@@ -126,7 +126,8 @@ class _HeadContext:
     def select_rows(self, keep):
         self.slots.select_rows(keep)
         if self.new_feats is not None:
-            self.new_feats, self.new_pos, self.new_valid = self.new_feats[keep], self.new_pos[keep], self.new_valid[keep]
+            self.new_feats, self.new_pos = self.new_feats[keep], self.new_pos[keep]
+            self.new_valid = self.new_valid[keep]
 
 
 class DraftHeadProposer(Proposer):
