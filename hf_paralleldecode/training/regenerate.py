@@ -21,7 +21,7 @@ import os
 
 import torch
 
-from .trajectories import load_shards, read_prompts, run_sharded
+from .trajectories import check_ints, load_shards, read_prompts, run_sharded, split_responses
 
 __all__ = ["regenerate", "load_regenerated"]
 
@@ -47,9 +47,7 @@ def regenerate(
     with the same ``batch_size`` and number of processes (a resumed run included: a lost shard's
     prompts form the same chunk again) draws the same continuations.
     """
-    for name, value, low in (("max_new_tokens", max_new_tokens, 1), ("batch_size", batch_size, 1)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"`{name}` must be an integer >= {low}, got {value!r}.")
+    check_ints(max_new_tokens=(max_new_tokens, 1), batch_size=(batch_size, 1))
     if not do_sample and any(v is not None for v in (temperature, top_p, top_k)):
         raise ValueError("temperature / top_p / top_k are sampling settings: pass do_sample=True with them.")
     texts = read_prompts(prompts, prompt_column)
@@ -63,16 +61,9 @@ def regenerate(
         torch.manual_seed(seed + ids[0])
         with torch.no_grad():
             seqs = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=do_sample, **sampling)
-        eos = model.generation_config.eos_token_id
-        eos = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
-        rows = []
-        for b, pid in enumerate(ids):
-            prompt_ids = enc["input_ids"][b][enc["attention_mask"][b].bool()].tolist()
-            response = seqs[b, enc["input_ids"].shape[1] :].tolist()
-            response = response[: next((k + 1 for k, t in enumerate(response) if t in eos), len(response))]
-            rows.append(dict(prompt_id=pid, prompt=texts[pid], prompt_ids=prompt_ids, response_ids=response,
-                             input_ids=prompt_ids + response))
-        return rows
+        return [dict(prompt_id=pid, prompt=texts[pid], prompt_ids=prompt_ids, response_ids=response,
+                     input_ids=prompt_ids + response)
+                for pid, (prompt_ids, response) in zip(ids, split_responses(model, enc, seqs))]
 
     out = run_sharded(texts, output_dir, config, batch_size, progress, "regenerate", make_rows, tokenizer)
     return load_regenerated(out)

@@ -40,7 +40,8 @@ from ..decoding.jacobi import JacobiProposer
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["collect_trajectories", "load_trajectories", "read_prompts", "run_sharded", "load_shards"]
+__all__ = ["collect_trajectories", "load_trajectories", "read_prompts", "run_sharded", "load_shards", "check_ints",
+           "split_responses"]
 
 CONFIG_FILE = "collection_config.json"
 
@@ -144,10 +145,7 @@ def collect_trajectories(
 ):
     """Collect Jacobi trajectories for ``prompts`` into ``output_dir`` (resumable, data-parallel under
     ``accelerate launch``: see :func:`run_sharded`); return the dataset."""
-    for name, value, low in (("block_size", block_size, 2), ("max_new_tokens", max_new_tokens, 1),
-                             ("batch_size", batch_size, 1)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"`{name}` must be an integer >= {low}, got {value!r}.")
+    check_ints(block_size=(block_size, 2), max_new_tokens=(max_new_tokens, 1), batch_size=(batch_size, 1))
     texts = read_prompts(prompts, prompt_column)
     config = dict(block_size=block_size, max_new_tokens=max_new_tokens, seed=seed, num_prompts=len(texts),
                   model=getattr(model.config, "_name_or_path", "") or type(model).__name__)
@@ -157,6 +155,25 @@ def collect_trajectories(
         tokenizer,
     )
     return load_trajectories(out, drop_degenerate=False)
+
+
+def check_ints(**settings) -> None:
+    """``name=(value, minimum)``: ``ValueError`` unless each value is an integer (not a bool) >= its minimum."""
+    for name, (value, low) in settings.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"`{name}` must be an integer >= {low}, got {value!r}.")
+
+
+def split_responses(model, enc, seqs) -> list[tuple[list[int], list[int]]]:
+    """Per row of a left-padded ``generate`` call: the prompt without padding and the response up to its EOS."""
+    eos = model.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
+    out = []
+    for b in range(seqs.shape[0]):
+        prompt_ids = enc["input_ids"][b][enc["attention_mask"][b].bool()].tolist()
+        response = seqs[b, enc["input_ids"].shape[1] :].tolist()
+        out.append((prompt_ids, response[: next((k + 1 for k, t in enumerate(response) if t in eos), len(response))]))
+    return out
 
 
 def process_share() -> tuple[int, int]:
@@ -234,14 +251,8 @@ def _collect_chunk(model, tokenizer, texts, ids, block_size, max_new_tokens, max
         seqs = model.generate(**enc, max_new_tokens=max_new_tokens + 1, do_sample=False,
                               custom_generate=_jacobi_recording(sink, block_size, seed))
     seqs = seqs[:, : enc["input_ids"].shape[1] + max_new_tokens]
-    eos = model.generation_config.eos_token_id
-    eos = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
     rows = []
-    for b, pid in enumerate(ids):
-        prompt_ids = enc["input_ids"][b][enc["attention_mask"][b].bool()].tolist()
-        response = seqs[b, enc["input_ids"].shape[1] :].tolist()
-        cut = next((k + 1 for k, t in enumerate(response) if t in eos), len(response))
-        response = response[:cut]
+    for b, (pid, (prompt_ids, response)) in enumerate(zip(ids, split_responses(model, enc, seqs))):
         blocks = sink[b]
         rows.append(dict(
             prompt_id=pid, prompt=texts[pid], prompt_ids=prompt_ids, response_ids=response,
