@@ -140,6 +140,20 @@ def _sweep(args) -> int:
     return 0
 
 
+def _add_data_args(p) -> None:
+    """What the data commands (``collect``, ``regenerate``) share: model, prompts, output, sizes, device."""
+    p.add_argument("--model", default="default", help="'default' (embedded model) or a checkpoint path / id")
+    p.add_argument("--prompts", required=True, help=".json / .jsonl / .parquet file with a prompt column")
+    p.add_argument("--prompt-column", default="prompt")
+    p.add_argument("--output-dir", required=True)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--threads", type=int, default=None)
+
+
 def _regenerate(args) -> int:
     from .training.regenerate import regenerate
 
@@ -263,37 +277,19 @@ def main(argv=None) -> int:
     p_sweep.set_defaults(func=_sweep)
 
     p_collect = sub.add_parser("collect", help="Jacobi trajectories of a model on prompts (resumable parquet shards)")
-    p_collect.add_argument("--model", default="default", help="'default' (embedded model) or a checkpoint path / id")
-    p_collect.add_argument("--prompts", required=True, help=".json / .jsonl / .parquet file with a prompt column")
-    p_collect.add_argument("--prompt-column", default="prompt")
-    p_collect.add_argument("--output-dir", required=True)
+    _add_data_args(p_collect)
     p_collect.add_argument("--block-size", type=int, default=16)
-    p_collect.add_argument("--max-new-tokens", type=int, default=256)
-    p_collect.add_argument("--batch-size", type=int, default=8)
     p_collect.add_argument("--max-repeat", type=int, default=10,
                            help="flag responses repeating one token this many times in a row (0: never)")
-    p_collect.add_argument("--seed", type=int, default=0)
-    p_collect.add_argument("--device", default=None)
-    p_collect.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p_collect.add_argument("--threads", type=int, default=None)
     p_collect.set_defaults(func=_collect)
 
     p_regen = sub.add_parser("regenerate", help="the model's own continuations of prompts (draft-head training "
                                                 "data; resumable parquet shards, data-parallel under accelerate)")
-    p_regen.add_argument("--model", default="default", help="'default' (embedded model) or a checkpoint path / id")
-    p_regen.add_argument("--prompts", required=True, help=".json / .jsonl / .parquet file with a prompt column")
-    p_regen.add_argument("--prompt-column", default="prompt")
-    p_regen.add_argument("--output-dir", required=True)
-    p_regen.add_argument("--max-new-tokens", type=int, default=256)
-    p_regen.add_argument("--batch-size", type=int, default=8)
+    _add_data_args(p_regen)
     p_regen.add_argument("--do-sample", action="store_true", help="sample instead of greedy continuations")
     p_regen.add_argument("--temperature", type=float, default=None)
     p_regen.add_argument("--top-p", type=float, default=None)
     p_regen.add_argument("--top-k", type=int, default=None)
-    p_regen.add_argument("--seed", type=int, default=0)
-    p_regen.add_argument("--device", default=None)
-    p_regen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p_regen.add_argument("--threads", type=int, default=None)
     p_regen.set_defaults(func=_regenerate)
 
     p_demo = sub.add_parser("demo", help="embedded model: same prompts through AR and every strategy")
