@@ -307,9 +307,14 @@ class Proposer:
 
 
 def decode(model, name, make_proposer, input_ids, logits_processor, stopping_criteria, generation_config,
-           streamer, model_kwargs, settings: dict):
-    """The loop every strategy shares: validate + prefill, then propose -> verify -> update until done."""
+           streamer, model_kwargs, settings: dict, pd_streamer=None):
+    """The loop every strategy shares: validate + prefill, then propose -> verify -> update until done.
+
+    ``pd_streamer`` (what ``decoding=`` routes ``streamer=`` to, see ``integration.py``) wins over
+    ``streamer`` (which ``generate`` never hands a ``custom_generate`` callable anyway).
+    """
     wall_start = time.perf_counter()
+    streamer = pd_streamer if pd_streamer is not None else streamer
     run = start(model, name, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
                 model_kwargs)
     run.stats.update(settings)

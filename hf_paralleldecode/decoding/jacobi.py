@@ -129,6 +129,6 @@ def jacobi(
     _check_jacobi_settings(block_size, jacobi_init, jacobi_seed)
     return decode(
         model, "jacobi", lambda run: JacobiProposer(run, block_size, jacobi_init, jacobi_seed), input_ids,
-        logits_processor, stopping_criteria, generation_config, pd_streamer if pd_streamer is not None else streamer, model_kwargs,
-        dict(block_size=block_size),
+        logits_processor, stopping_criteria, generation_config, streamer, model_kwargs,
+        dict(block_size=block_size), pd_streamer=pd_streamer,
     )

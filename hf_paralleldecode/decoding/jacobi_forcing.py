@@ -184,6 +184,7 @@ def jacobi_forcing(
                                               ngram_size, jacobi_seed)
     return decode(
         model, "jacobi_forcing", lambda run: MultiblockProposer(run, n, K, r, pool, ngram, jacobi_seed), input_ids,
-        logits_processor, stopping_criteria, generation_config, pd_streamer if pd_streamer is not None else streamer, model_kwargs,
+        logits_processor, stopping_criteria, generation_config, streamer, model_kwargs,
         dict(block_size=n, num_blocks=K, activation_ratio=r, pool_size=pool, ngram_size=ngram),
+        pd_streamer=pd_streamer,
     )

@@ -144,6 +144,7 @@ def lookahead(
     return decode(
         model, "lookahead",
         lambda run: LookaheadProposer(run, window_size, ngram_size, guess_set_size, pool_from_prompt, lookahead_seed),
-        input_ids, logits_processor, stopping_criteria, generation_config, pd_streamer if pd_streamer is not None else streamer, model_kwargs,
+        input_ids, logits_processor, stopping_criteria, generation_config, streamer, model_kwargs,
         dict(window_size=window_size, ngram_size=ngram_size, guess_set_size=guess_set_size),
+        pd_streamer=pd_streamer,
     )

@@ -346,8 +346,9 @@ def speculative(
         return decode(
             model, "speculative", lambda run: DraftHeadProposer(run, drafter, taps, tree_budget, tree_width, depth),
             input_ids, logits_processor, stopping_criteria, generation_config,
-            pd_streamer if pd_streamer is not None else streamer, model_kwargs,
+            streamer, model_kwargs,
             dict(tree_budget=tree_budget, tree_width=tree_width, tree_depth=depth, head=drafter.config.attention),
+            pd_streamer=pd_streamer,
         )
     finally:
         taps.remove()
