@@ -341,14 +341,10 @@ def speculative(
     if drafter.device != model.device or drafter.dtype != model.dtype:
         drafter.to(device=model.device, dtype=model.dtype)
     drafter.bind(model)
-    taps = HiddenStateTaps(model, drafter.config.target_layer_ids)
-    try:
+    with HiddenStateTaps(model, drafter.config.target_layer_ids) as taps:  # hooks removed on exit
         return decode(
             model, "speculative", lambda run: DraftHeadProposer(run, drafter, taps, tree_budget, tree_width, depth),
-            input_ids, logits_processor, stopping_criteria, generation_config,
-            streamer, model_kwargs,
+            input_ids, logits_processor, stopping_criteria, generation_config, streamer, model_kwargs,
             dict(tree_budget=tree_budget, tree_width=tree_width, tree_depth=depth, head=drafter.config.attention),
             pd_streamer=pd_streamer,
         )
-    finally:
-        taps.remove()

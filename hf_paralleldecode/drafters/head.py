@@ -140,11 +140,6 @@ class DraftHeadConfig(PretrainedConfig):
             raise ValueError(f"mask_token_id {mask_token_id} is not a row of the target's {target_vocab_size}-row vocabulary.")
         super().__init__(**kwargs)
 
-    @property
-    def max_depth(self) -> int:
-        """Deepest draft a block reaches (``block_bidirectional``); a causal head can go deeper."""
-        return self.block_size
-
     def assistant_config(self):
         """The body's config: transformers' ``MuseGlimmerAssistantConfig`` (DFlash drafter)."""
         from transformers.models.muse_glimmer_assistant import MuseGlimmerAssistantConfig
