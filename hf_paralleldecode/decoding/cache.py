@@ -27,7 +27,13 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
-__all__ = ["SlotCache", "prepare_cache"]
+__all__ = ["SlotCache", "prepare_cache", "additive_mask"]
+
+
+def additive_mask(masks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[batch, 1, queries, keys]`` additive float mask (0 / dtype min) from boolean ``[batch, queries, keys]``."""
+    out = torch.zeros(masks.shape, dtype=dtype, device=masks.device)
+    return out.masked_fill_(~masks, torch.finfo(dtype).min)[:, None]
 
 
 def prepare_cache(model, past_key_values, max_length: int) -> DynamicCache:
@@ -100,9 +106,7 @@ class SlotCache:
         batch, width = self.valid.shape[0], intra.shape[-1]
         past = self.valid[:, None, :].expand(batch, width, self.num_slots)
         intra = intra.expand(batch, width, width)
-        allowed = torch.cat([past, intra], dim=-1)[:, None]  # [batch, 1, width, slots + width]
-        mask = torch.zeros(allowed.shape, dtype=self.dtype, device=allowed.device)
-        return mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
+        return additive_mask(torch.cat([past, intra], dim=-1), self.dtype)  # [batch, 1, width, slots + width]
 
     def commit(self, keep: torch.Tensor) -> None:
         """Record which of the slots the last forward appended each row keeps (``keep: [batch, width]``).

@@ -37,7 +37,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from .base import Proposer, check_int_setting, decode
-from .cache import SlotCache
+from .cache import SlotCache, additive_mask
 from .draft_tree import TreeBuilder
 from .processors import prefix_independent, process_prefixes
 from .target import HiddenStateTaps
@@ -102,11 +102,9 @@ class _HeadContext:
         n_ctx = self.slots.num_slots
         ctx_valid = torch.cat([self.slots.valid, new_valid], dim=1)  # [b, all ctx]
         allowed = torch.cat([ctx_valid[:, None, :].expand(b, s, ctx_valid.shape[1]), visible], dim=-1)
-        mask = torch.zeros(allowed.shape, dtype=self.head.dtype, device=device)
-        mask.masked_fill_(~allowed, torch.finfo(self.head.dtype).min)
         t0 = time.perf_counter()
-        hidden = self.head(self.head.embed(ids), feats, mask[:, None], torch.cat([new_pos, positions], dim=1),
-                           self.slots.cache)
+        hidden = self.head(self.head.embed(ids), feats, additive_mask(allowed, self.head.dtype),
+                           torch.cat([new_pos, positions], dim=1), self.slots.cache)
         self.seconds += time.perf_counter() - t0
         self.forwards += 1
         if self.new_feats is not None:

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import Trainer, TrainingArguments
 
+from ..decoding.cache import additive_mask
 from ..decoding.target import HiddenStateTaps
 from .losses import DISTILLATION_OBJECTIVES, draft_distillation_loss, position_weights
 
@@ -178,10 +179,8 @@ class DraftHeadDistillationTrainer(Trainer):
         ctx &= attn.cpu().bool()[:, None, :]
         blocks = torch.block_diag(*[intra] * A)[None].expand(B, -1, -1)
         allowed = torch.cat([ctx, blocks], dim=-1).to(device)
-        mask = torch.zeros(allowed.shape, dtype=head.dtype, device=device).masked_fill_(~allowed,
-                                                                                        torch.finfo(head.dtype).min)
         positions = torch.cat([torch.arange(T)[None].expand(B, -1), slot_pos], dim=1).to(device)
-        hidden = model(head.embed(slot_ids.to(device)), feats, mask[:, None], positions)  # [B, A*S, H]
+        hidden = model(head.embed(slot_ids.to(device)), feats, additive_mask(allowed, head.dtype), positions)
         hidden = hidden.reshape(B, A, S, -1)[:, :, query.to(device)]  # [B, A, n, H]
         student = head.logits(hidden)  # [B, A, n, V]
         k = torch.arange(c.block_size, device=device)

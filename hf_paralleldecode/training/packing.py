@@ -32,6 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..decoding.cache import additive_mask  # one mask builder for decoding and training; re-exported here
+
 __all__ = [
     "SCHEDULES",
     "MASKS",
@@ -169,10 +171,6 @@ def dense_mask(seq: PackedSequence, variant: str = "noise_conditioned") -> torch
     return visible(variant, *q, *kv)
 
 
-def additive_mask(masks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``[batch, 1, length, length]`` additive float mask (0 / dtype min) from boolean ``[batch, length, length]``."""
-    out = torch.zeros(masks.shape, dtype=dtype, device=masks.device)
-    return out.masked_fill_(~masks, torch.finfo(dtype).min)[:, None]
 
 
 def flex_mask_mod(kind: torch.Tensor, block: torch.Tensor, position: torch.Tensor, variant: str = "noise_conditioned"):
