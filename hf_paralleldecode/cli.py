@@ -160,9 +160,11 @@ def _regenerate(args) -> int:
     model, tokenizer, _ = _load(args)
     ds = regenerate(model, tokenizer, args.prompts, args.output_dir, max_new_tokens=args.max_new_tokens,
                     batch_size=args.batch_size, prompt_column=args.prompt_column, do_sample=args.do_sample,
-                    temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+                    temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                    response_column=args.response_column)
     tokens = sum(len(r) for r in ds["response_ids"])
-    print(f"{len(ds)} prompts, {tokens} regenerated tokens in {args.output_dir}")
+    what = f"'{args.response_column}' text" if args.response_column else "regenerated"
+    print(f"{len(ds)} prompts, {tokens} {what} tokens in {args.output_dir}")
     return 0
 
 
@@ -290,6 +292,9 @@ def main(argv=None) -> int:
     p_regen.add_argument("--temperature", type=float, default=None)
     p_regen.add_argument("--top-p", type=float, default=None)
     p_regen.add_argument("--top-k", type=int, default=None)
+    p_regen.add_argument("--response-column", default=None,
+                         help="take each continuation from this column of the prompts file instead of generating "
+                              "it (the corpus-text ablation of JetSpec Table 6)")
     p_regen.set_defaults(func=_regenerate)
 
     p_demo = sub.add_parser("demo", help="embedded model: same prompts through AR and every strategy")

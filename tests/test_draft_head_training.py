@@ -123,3 +123,15 @@ def test_collator_and_config_validation():
     for bad in (dict(objective="jsd"), dict(max_anchors=0), dict(kd_temperature=0.0), dict(gamma=-1.0)):
         with pytest.raises(ValueError):
             DraftHeadDistillationConfig(output_dir="x", report_to=[], **bad)
+
+
+def test_trainer_refuses_empty_data_and_token_ids_of_another_vocabulary(tmp_path):
+    target = tiny_model("llama")
+    head = DraftHead.for_target(target, num_hidden_layers=1, block_size=3)
+    V = target.config.vocab_size
+    with pytest.raises(ValueError, match="empty"):
+        DraftHeadDistillationTrainer(model=head, args=_config(tmp_path), target_model=target,
+                                     train_dataset=Dataset.from_list([]))
+    foreign = Dataset.from_list([dict(prompt_ids=[1, 2], input_ids=[1, 2, V + 5, 4])])
+    with pytest.raises(ValueError, match="another tokenizer"):
+        DraftHeadDistillationTrainer(model=head, args=_config(tmp_path), target_model=target, train_dataset=foreign)

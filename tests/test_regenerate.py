@@ -65,3 +65,55 @@ def test_two_processes_share_the_prompts_and_resume_exactly(tmp_path):
     launch()
     ds = load_regenerated(out)
     assert ds["prompt_id"] == list(range(12)) and ds["response_ids"] == single["response_ids"]
+
+
+def test_response_column_writes_the_corpus_text_in_the_same_format(tmp_path):
+    import datasets
+
+    model, tok = tiny_model("llama"), word_tokenizer()
+    data = datasets.Dataset.from_dict({"prompt": PROMPTS[:4], "continuation": ["t7 t8 t9 t10 t11"] * 4})
+    ds = regenerate(model, tok, data, tmp_path, max_new_tokens=3, batch_size=3, response_column="continuation",
+                    progress=False)
+    assert ds["prompt_id"] == [0, 1, 2, 3]
+    for row in ds:  # the text, cut at max_new_tokens; nothing generated
+        assert row["response_ids"] == [7, 8, 9] and row["input_ids"] == row["prompt_ids"] + [7, 8, 9]
+    with pytest.raises(ValueError, match="sampling settings do not apply"):
+        regenerate(model, tok, data, tmp_path / "b", response_column="continuation", do_sample=True, progress=False)
+    with pytest.raises(ValueError, match="no column 'text'"):
+        regenerate(model, tok, data, tmp_path / "c", response_column="text", progress=False)
+    with pytest.raises(ValueError, match="other settings"):  # a model-written collection is not mixed with text
+        regenerate(model, tok, data, tmp_path, max_new_tokens=3, batch_size=3, progress=False)
+
+
+def test_data_from_another_tokenizer_or_empty_shards_is_refused(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from transformers import PreTrainedTokenizerFast
+
+    from hf_paralleldecode.training.trajectories import load_trajectories
+
+    model, tok = tiny_model("llama"), word_tokenizer()
+    regenerate(model, tok, PROMPTS[:4], tmp_path / "r", max_new_tokens=4, progress=False)
+    assert len(load_regenerated(tmp_path / "r", tokenizer=tok)) == 4
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    other_model = Tokenizer(models.WordLevel({f"w{i}": i for i in range(5)}, unk_token="w3"))
+    other_model.pre_tokenizer = pre_tokenizers.Whitespace()
+    other = PreTrainedTokenizerFast(tokenizer_object=other_model, pad_token="w0", eos_token="w2")
+    with pytest.raises(ValueError, match="another tokenizer"):
+        load_regenerated(tmp_path / "r", tokenizer=other)
+    # data without a fingerprint (written by hand) is still range-checked against the vocabulary
+    (tmp_path / "r" / "collection_config.json").unlink()
+    with pytest.raises(ValueError, match="token ids in"):  # the prompts use t5 and above
+        load_regenerated(tmp_path / "r", tokenizer=other)
+    empty = tmp_path / "e"
+    empty.mkdir()
+    with pytest.raises(ValueError, match="No regenerated shards"):
+        load_regenerated(empty)
+    schema = pa.schema([("prompt_id", pa.int64()), ("input_ids", pa.list_(pa.int64()))])
+    pq.write_table(pa.Table.from_pylist([], schema=schema), empty / "shard-00000000.parquet")
+    with pytest.raises(ValueError, match="holds no rows"):
+        load_regenerated(empty)
+    (empty / "shard-00000000.parquet").write_bytes(b"not parquet")
+    with pytest.raises(ValueError, match="Could not read"):
+        load_trajectories(empty)

@@ -84,7 +84,7 @@ def train_main(argv: list[str]) -> int:
         from ..drafters.head import DraftHead
         from .regenerate import load_regenerated
 
-        dataset = load_regenerated(script.trajectories)
+        dataset = load_regenerated(script.trajectories, tokenizer=tokenizer)
         if script.init_head:
             head = DraftHead.from_pretrained(script.init_head, use_safetensors=True)
         else:
@@ -95,7 +95,7 @@ def train_main(argv: list[str]) -> int:
                                         target_name_or_path=args.base_model_name_or_path)
         trainer = trainer_cls(model=head.train(), args=args, target_model=model, train_dataset=dataset)
     else:
-        dataset = load_trajectories(script.trajectories, drop_degenerate=script.drop_degenerate)
+        dataset = load_trajectories(script.trajectories, drop_degenerate=script.drop_degenerate, tokenizer=tokenizer)
         if len(dataset) == 0:
             raise ValueError(f"No usable trajectories in {script.trajectories}.")
         trainer = trainer_cls(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)

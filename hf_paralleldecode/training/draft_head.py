@@ -36,6 +36,7 @@ from transformers import Trainer, TrainingArguments
 from ..decoding.cache import additive_mask
 from ..decoding.target import HiddenStateTaps
 from .losses import DISTILLATION_OBJECTIVES, draft_distillation_loss, position_weights
+from .trajectories import check_token_ids
 
 __all__ = ["DraftHeadDistillationConfig", "DraftHeadDistillationTrainer", "DraftHeadCollator", "block_layout"]
 
@@ -144,6 +145,11 @@ class DraftHeadDistillationTrainer(Trainer):
         if target_model is None:
             raise ValueError("DraftHeadDistillationTrainer needs `target_model=` (the frozen model the head drafts for).")
         model.check_target(target_model)
+        data = kwargs.get("train_dataset")
+        if data is not None:
+            if len(data) == 0:
+                raise ValueError("train_dataset is empty: regenerate the target's continuations first.")
+            check_token_ids(data, target_model.get_output_embeddings().weight.shape[0], "train_dataset")
         if data_collator is None and args is not None:
             pad = target_model.generation_config.pad_token_id
             data_collator = DraftHeadCollator(model.config.block_size, args.max_anchors, args.gamma,

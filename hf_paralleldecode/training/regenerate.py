@@ -13,6 +13,12 @@ Output (``output_dir``)
     Resumable after a kill and data-parallel under ``accelerate launch`` (each process takes
     every ``world_size``-th prompt), exactly like trajectory collection (``run_sharded``).
     Load with :func:`load_regenerated` or ``datasets.load_dataset("parquet", data_files=...)``.
+
+Corpus-text ablation
+    ``response_column="continuation"`` (CLI ``--response-column``) writes the dataset's own text
+    continuation of each prompt (tokenized, cut at ``max_new_tokens``) instead of generating one,
+    in the same format, so a head trained on it differs only in its data (JetSpec Table 6). The
+    teacher is still the target: the trainer runs it over ``prompt + text``.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ def regenerate(
     top_k: int | None = None,
     seed: int = 0,
     progress: bool = True,
+    response_column: str | None = None,
 ):
     """Write the target's continuations of ``prompts`` to ``output_dir`` (resumable); return the dataset.
 
@@ -48,13 +55,28 @@ def regenerate(
     prompts form the same chunk again) draws the same continuations.
     """
     check_ints(max_new_tokens=(max_new_tokens, 1), batch_size=(batch_size, 1))
-    if not do_sample and any(v is not None for v in (temperature, top_p, top_k)):
+    if not do_sample and sampling_given(temperature, top_p, top_k):
         raise ValueError("temperature / top_p / top_k are sampling settings: pass do_sample=True with them.")
     texts = read_prompts(prompts, prompt_column)
+    if response_column is not None:
+        if do_sample or sampling_given(temperature, top_p, top_k):
+            raise ValueError("response_column takes the continuations from the data: sampling settings do not apply.")
+        if isinstance(prompts, list):
+            raise ValueError("response_column needs a dataset or a file with that column, not a list of prompts.")
+        responses = read_prompts(prompts, response_column)
     sampling = {k: v for k, v in dict(temperature=temperature, top_p=top_p, top_k=top_k).items() if v is not None}
     config = dict(kind="regenerated", max_new_tokens=max_new_tokens, do_sample=do_sample, seed=seed,
                   num_prompts=len(texts), model=getattr(model.config, "_name_or_path", "") or type(model).__name__,
-                  **sampling)
+                  response_source=f"text:{response_column}" if response_column else "model", **sampling)
+
+    def text_rows(ids):
+        rows = []
+        for pid in ids:
+            prompt_ids = tokenizer(texts[pid])["input_ids"]
+            response = tokenizer(responses[pid], add_special_tokens=False)["input_ids"][:max_new_tokens]
+            rows.append(dict(prompt_id=pid, prompt=texts[pid], prompt_ids=prompt_ids, response_ids=response,
+                             input_ids=prompt_ids + response))
+        return rows
 
     def make_rows(ids):
         enc = tokenizer([texts[i] for i in ids], return_tensors="pt", padding=True).to(model.device)
@@ -65,10 +87,16 @@ def regenerate(
                      input_ids=prompt_ids + response)
                 for pid, (prompt_ids, response) in zip(ids, split_responses(model, enc, seqs))]
 
-    out = run_sharded(texts, output_dir, config, batch_size, progress, "regenerate", make_rows, tokenizer)
+    out = run_sharded(texts, output_dir, config, batch_size, progress, "regenerate",
+                      text_rows if response_column else make_rows, tokenizer)
     return load_regenerated(out)
 
 
-def load_regenerated(output_dir: str | os.PathLike):
-    """The regenerated continuations as a ``datasets.Dataset`` sorted by ``prompt_id``."""
-    return load_shards(output_dir, "regenerated")
+def sampling_given(*values) -> bool:
+    return any(v is not None for v in values)
+
+
+def load_regenerated(output_dir: str | os.PathLike, tokenizer=None):
+    """The regenerated continuations as a ``datasets.Dataset`` sorted by ``prompt_id`` (checked against
+    ``tokenizer`` when given: see :func:`~hf_paralleldecode.training.trajectories.load_shards`)."""
+    return load_shards(output_dir, "regenerated", tokenizer=tokenizer)

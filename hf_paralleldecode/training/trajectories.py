@@ -41,7 +41,7 @@ from ..decoding.jacobi import JacobiProposer
 logger = logging.getLogger(__name__)
 
 __all__ = ["collect_trajectories", "load_trajectories", "read_prompts", "run_sharded", "load_shards", "check_ints",
-           "split_responses"]
+           "split_responses", "tokenizer_fingerprint"]
 
 CONFIG_FILE = "collection_config.json"
 
@@ -157,6 +157,16 @@ def collect_trajectories(
     return load_trajectories(out, drop_degenerate=False)
 
 
+def tokenizer_fingerprint(tokenizer) -> str:
+    """A short hash of ``tokenizer``'s vocabulary and special tokens: data written with one tokenizer is
+    refused by training with another (token ids would silently mean other tokens)."""
+    import hashlib
+
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    special = sorted((k, str(v)) for k, v in tokenizer.special_tokens_map.items())
+    return hashlib.sha256(json.dumps([vocab, special], ensure_ascii=False).encode()).hexdigest()[:16]
+
+
 def check_ints(**settings) -> None:
     """``name=(value, minimum)``: ``ValueError`` unless each value is an integer (not a bool) >= its minimum."""
     for name, (value, low) in settings.items():
@@ -199,6 +209,7 @@ def run_sharded(texts, output_dir, config: dict, batch_size: int, progress: bool
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     rank, world = process_share()
+    config = {**config, "tokenizer": tokenizer_fingerprint(tokenizer), "vocab_size": len(tokenizer)}
     config_path = out / CONFIG_FILE
     if config_path.exists():
         previous = json.loads(config_path.read_text())
@@ -262,17 +273,72 @@ def _collect_chunk(model, tokenizer, texts, ids, block_size, max_new_tokens, max
     return rows
 
 
-def load_shards(output_dir: str | os.PathLike, what: str = "trajectory"):
-    """The shards of ``output_dir`` as one ``datasets.Dataset`` sorted by ``prompt_id``."""
+def load_shards(output_dir: str | os.PathLike, what: str = "trajectory", tokenizer=None):
+    """The shards of ``output_dir`` as one ``datasets.Dataset`` sorted by ``prompt_id``.
+
+    With ``tokenizer``: refuses data written with another tokenizer (the fingerprint in
+    ``collection_config.json``) or holding token ids outside its vocabulary.
+    """
     import datasets
 
-    shards = sorted(str(p) for p in Path(output_dir).glob("shard-*.parquet"))
+    out = Path(output_dir)
+    shards = sorted(str(p) for p in out.glob("shard-*.parquet"))
     if not shards:
         raise ValueError(f"No {what} shards in {output_dir}.")
-    return datasets.load_dataset("parquet", data_files=shards, split="train").sort("prompt_id")
+    config_path = out / CONFIG_FILE
+    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    if tokenizer is not None and config.get("tokenizer") not in (None, tokenizer_fingerprint(tokenizer)):
+        raise ValueError(
+            f"The {what} data in {output_dir} was written with another tokenizer (fingerprint {config['tokenizer']}, "
+            f"this one {tokenizer_fingerprint(tokenizer)}): its token ids mean other tokens here. Regenerate it with "
+            "the model you train for."
+        )
+    _check_shard_files(shards, what)
+    ds = datasets.load_dataset("parquet", data_files=shards, split="train")
+    if tokenizer is not None:
+        check_token_ids(ds, len(tokenizer), f"the {what} data in {output_dir}")
+    if len(ds) < config.get("num_prompts", 0):
+        logger.warning("%s holds %d of %d prompts: the run that wrote it did not finish (rerun it to resume).",
+                       output_dir, len(ds), config["num_prompts"])
+    return ds.sort("prompt_id")
 
 
-def load_trajectories(output_dir: str | os.PathLike, drop_degenerate: bool = True):
-    """The collected trajectories as a ``datasets.Dataset`` sorted by ``prompt_id``."""
-    ds = load_shards(output_dir)
+def _check_shard_files(shards: list[str], what: str) -> None:
+    """Every shard is a readable parquet file with rows (the writer never leaves an empty one)."""
+    import pyarrow.parquet as pq
+
+    for shard in shards:
+        try:
+            rows = pq.ParquetFile(shard).metadata.num_rows
+        except Exception as err:  # truncated or foreign file: name it instead of a pyarrow trace
+            raise ValueError(f"Could not read the {what} shard {shard}: {err}. Delete it and rerun the "
+                             "collection to redo its prompts.") from None
+        if rows == 0:
+            raise ValueError(f"The {what} shard {shard} holds no rows: it was not written by this library. "
+                             "Delete it and rerun the collection.")
+
+
+def check_token_ids(dataset, vocab_size: int, where: str, columns=("input_ids", "prompt_ids", "response_ids")):
+    """``ValueError`` if a token-id column of ``dataset`` holds an id outside ``[0, vocab_size)``."""
+    import pyarrow.compute as pc
+
+    table = dataset.data.table if hasattr(dataset, "data") else None
+    for column in columns:
+        if table is None or column not in table.column_names:
+            continue
+        flat = pc.list_flatten(table.column(column))
+        if len(flat) == 0:
+            continue
+        low, high = pc.min_max(flat).values()
+        if low.as_py() < 0 or high.as_py() >= vocab_size:
+            raise ValueError(
+                f"{where} holds token ids in [{low.as_py()}, {high.as_py()}] but the tokenizer / model has "
+                f"{vocab_size} tokens: it was written for another tokenizer."
+            )
+
+
+def load_trajectories(output_dir: str | os.PathLike, drop_degenerate: bool = True, tokenizer=None):
+    """The collected trajectories as a ``datasets.Dataset`` sorted by ``prompt_id`` (checked against
+    ``tokenizer`` when given: see :func:`load_shards`)."""
+    ds = load_shards(output_dir, tokenizer=tokenizer)
     return ds.filter(lambda row: not row["degenerate"]) if drop_degenerate else ds

@@ -28,6 +28,9 @@ def main(argv=None):
     p.add_argument("--split", choices=["test", "train"], default="test",
                    help="test: the held-out test/ package (benchmarks); train: the training files (trajectories)")
     p.add_argument("--per_file", type=int, default=1, help="function openings taken per file")
+    p.add_argument("--continuation_lines", type=int, default=0,
+                   help="also write the file's next N lines as `continuation` (the corpus text after the prompt: "
+                        "`regenerate --response-column continuation` trains a head on it, the Table 6 ablation)")
     args = p.parse_args(argv)
     files = [f for f in stdlib_files(held_out=args.split == "test") if f.stat().st_size > 2000]
     step = max(len(files) * args.per_file // args.num_prompts, 1)
@@ -40,7 +43,12 @@ def main(argv=None):
             if m and len(line) < 100:
                 body_indent = m.group(1) + "    "
                 text = "\n".join(lines[i - args.context_lines : i + 1]) + "\n" + body_indent
-                prompts.append({"prompt": text, "source": f"{args.split}:{f.name}:{i + 1}"})
+                row = {"prompt": text, "source": f"{args.split}:{f.name}:{i + 1}"}
+                if args.continuation_lines:
+                    # the prompt already ends with the body's indentation: continue after it
+                    rest = "\n".join(lines[i + 1 : i + 1 + args.continuation_lines])
+                    row["continuation"] = rest[len(body_indent) :] if rest.startswith(body_indent) else rest
+                prompts.append(row)
                 taken += 1
                 if taken == args.per_file:
                     break
