@@ -62,8 +62,49 @@ def _parse_value(text: str):
     return {"true": True, "false": False}.get(text.lower(), text)
 
 
-#: In-ecosystem peers run through stock ``generate`` with these default settings.
-STOCK_PEERS = {"prompt_lookup": {"prompt_lookup_num_tokens": 10}}
+@dataclass(frozen=True)
+class StockPeer:
+    """An in-ecosystem peer: stock ``generate`` with ``defaults`` (plus what ``prepare`` builds).
+
+    transformers' assisted generation (prompt lookup, DFlash) runs one row at a time: at batch > 1
+    the bench runs such a peer row after row (``sequential_rows`` in the report), which is what a
+    user of it would do.
+    """
+
+    defaults: dict
+    prepare: object = None  # (model, settings) -> generate kwargs
+    batch_one: bool = True
+
+
+def _dflash_assistant(model, settings: dict) -> dict:
+    """``drafter=`` (or the model's attached head) exported to transformers' DFlash drafter and loaded."""
+    from .integration import attached_drafter
+
+    settings = dict(settings)
+    head = _resolve_drafter(settings).get("drafter") or attached_drafter(model)
+    settings.pop("drafter", None)
+    if head is None:
+        raise ValueError("dflash_transformers needs a block_bidirectional head: dflash_transformers:drafter=PATH, "
+                         "or --drafter PATH.")
+    key = ("dflash", id(head))
+    if key not in _HEADS:
+        import tempfile
+
+        from transformers import AutoModel
+
+        from .drafters.export import export_draft_head
+
+        with tempfile.TemporaryDirectory() as tmp:
+            export_draft_head(head, tmp, format="transformers")
+            _HEADS[key] = AutoModel.from_pretrained(tmp).to(device=model.device, dtype=model.dtype).eval()
+    return {"assistant_model": _HEADS[key], "speculation_type": "dflash", **settings}
+
+
+#: transformers' own speculative paths, benchmarked next to this library's strategies
+STOCK_PEERS = {
+    "prompt_lookup": StockPeer({"prompt_lookup_num_tokens": 10}),
+    "dflash_transformers": StockPeer({}, prepare=_dflash_assistant),
+}
 
 
 def parse_strategy(text: str) -> StrategySpec:
@@ -166,7 +207,7 @@ class _FirstTokenClock:
         pass
 
 
-_HEADS: dict[str, object] = {}
+_HEADS: dict = {}  # loaded heads by path / alias, exported DFlash drafters by head
 
 
 def _resolve_drafter(settings: dict) -> dict:
@@ -181,26 +222,47 @@ def _resolve_drafter(settings: dict) -> dict:
     return {**settings, "drafter": _HEADS[drafter]}
 
 
+def _generate_kwargs(model, spec: StrategySpec | None) -> dict:
+    if spec is None:  # AR: stock generate, even if the checkpoint carries decoding defaults
+        return dict(decoding=STOCK)
+    peer = STOCK_PEERS.get(spec.decoding)
+    if peer is None:
+        return dict(decoding=spec.decoding, **_resolve_drafter(spec.settings))
+    settings = {**peer.defaults, **spec.settings}
+    return dict(decoding=STOCK, **(peer.prepare(model, settings) if peer.prepare else settings))
+
+
+def _row_by_row(spec: StrategySpec | None, batch: int) -> bool:
+    return spec is not None and spec.decoding in STOCK_PEERS and STOCK_PEERS[spec.decoding].batch_one and batch > 1
+
+
 def _one_run(model, enc, spec: StrategySpec | None, max_new_tokens: int, timer: _ForwardTimer):
     sync = timer._sync
     clock = _FirstTokenClock(sync)
-    kwargs = dict(**enc, max_new_tokens=max_new_tokens, do_sample=False, streamer=clock)
-    if spec is None:  # AR: stock generate, even if the checkpoint carries decoding defaults
-        kwargs.update(decoding=STOCK)
-    elif spec.decoding in STOCK_PEERS:
-        kwargs.update(decoding=STOCK, **{**STOCK_PEERS[spec.decoding], **spec.settings})
-    else:
-        kwargs.update(decoding=spec.decoding, **_resolve_drafter(spec.settings))
+    kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, streamer=clock, **_generate_kwargs(model, spec))
+    prompt_len = enc["input_ids"].shape[1]
+    pad = model.generation_config.pad_token_id
+    eos = model.generation_config.eos_token_id
     timer.reset()
     sync()
     t0 = time.perf_counter()
-    out = model.generate(**kwargs)
+    if _row_by_row(spec, enc["input_ids"].shape[0]):
+        rows = []
+        for ids, mask in zip(enc["input_ids"], enc["attention_mask"]):
+            keep = mask.bool()
+            out = model.generate(input_ids=ids[keep][None], attention_mask=mask[keep][None], **kwargs)
+            rows.append(out[0, int(keep.sum()) :])
+            kwargs["streamer"] = None  # the first row's first token is the batch's first token
+        width = max(len(r) for r in rows)
+        fill = pad if pad is not None else 0
+        gen = torch.stack([torch.cat([r, r.new_full((width - len(r),), fill)]) for r in rows])
+        row_forwards = timer.count
+    else:
+        out = model.generate(**enc, **kwargs)
+        gen = out[:, prompt_len:]
+        row_forwards = gen.shape[0] * timer.count
     sync()
     t1 = time.perf_counter()
-    prompt_len = enc["input_ids"].shape[1]
-    gen = out[:, prompt_len:]
-    pad = model.generation_config.pad_token_id
-    eos = model.generation_config.eos_token_id
     tokens = _count_generated(gen, pad, eos)
     first = clock.first_token_time or t1
     return dict(
@@ -208,6 +270,7 @@ def _one_run(model, enc, spec: StrategySpec | None, max_new_tokens: int, timer: 
         decode_seconds=max(t1 - first, 1e-9),
         tokens=tokens,
         forwards=timer.count,
+        row_forwards=row_forwards,
         forward_seconds=timer.seconds,
         generated=gen.cpu(),
     )
@@ -273,7 +336,7 @@ def run_benchmark(
                         a[key] += res[key]
                     a["decode_tokens"] += res["tokens"] - rows
                     a["rows"] += rows
-                    a["row_forwards"] += rows * res["forwards"]
+                    a["row_forwards"] += res["row_forwards"]
                     if spec is None:
                         ar_generated = res["generated"]
                     else:
@@ -300,10 +363,14 @@ def run_benchmark(
         results={},
     )
     ar = totals["ar"]
-    for lab in labels:
+    for lab, spec in zip(labels, entries):
         runs = totals[lab]
         med = statistics.median
         report["results"][lab] = dict(
+            decoding=spec.decoding if spec else "ar",
+            settings={k: v if isinstance(v, (bool, int, float, str, type(None))) else type(v).__name__
+                      for k, v in (spec.settings if spec else {}).items()},
+            sequential_rows=_row_by_row(spec, batch_size),
             tpf=med(r["tokens"] / max(r["row_forwards"], 1) for r in runs),
             tokens_per_second=med(r["tokens"] / r["seconds"] for r in runs),
             decode_tokens_per_second=med(r["decode_tokens"] / r["decode_seconds"] for r in runs),
@@ -324,6 +391,8 @@ def run_benchmark(
         out.mkdir(parents=True, exist_ok=True)
         (out / "bench.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
         plot_report(report, out / "bench.png")
+        if scaling_series(report, "tree_budget"):
+            plot_scaling(report, "tree_budget", out / "tree_budget.png")
     return report
 
 
@@ -355,6 +424,51 @@ def plot_report(report: dict, path: str | Path) -> None:
             ax.annotate(fmt.format(v), (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom", fontsize=7)
     fig.suptitle(f"{report['model']} on {report['device']} ({report['dtype']}), batch {report['batch_size']}, "
                  f"{report['max_new_tokens']} new tokens", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def scaling_series(report: dict, key: str) -> dict[str, list[tuple]]:
+    """Entries that differ only in setting ``key``, grouped: ``{group label: [(value, result), ...]}``
+    (groups with at least two values, sorted by value)."""
+    groups: dict[str, list] = {}
+    for res in report["results"].values():
+        settings = res.get("settings", {})
+        if key not in settings:
+            continue
+        rest = {k: v for k, v in settings.items() if k != key}
+        name = res["decoding"] + ("(" + ",".join(f"{k}={v}" for k, v in sorted(rest.items())) + ")" if rest else "")
+        groups.setdefault(name, []).append((settings[key], res))
+    return {name: sorted(pts, key=lambda p: p[0]) for name, pts in groups.items() if len(pts) > 1}
+
+
+def plot_scaling(report: dict, key: str, path: str | Path) -> None:
+    """TPF (tau) and tokens/s against setting ``key`` per group, other entries as horizontal lines
+    (JetSpec Figure 4 on this machine: does tau keep rising with the tree budget?)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:  # pragma: no cover - optional dependency
+        logger.warning("matplotlib is not installed; no scaling chart written.")
+        return
+    series = scaling_series(report, key)
+    flat = [(lab, r) for lab, r in report["results"].items() if key not in r.get("settings", {})]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for ax, (metric, title) in zip(axes, [("tpf", "tau = tokens per target forward"), ("tokens_per_second",
+                                                                                      "tokens/s (end to end)")]):
+        for name, pts in series.items():
+            ax.plot([v for v, _ in pts], [r[metric] for _, r in pts], marker="o", label=name)
+        for i, (lab, r) in enumerate(flat):
+            ax.axhline(r[metric], linestyle="--", color=f"C{len(series) + i}", linewidth=1, label=lab)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel(key)
+        ax.set_title(title, fontsize=10)
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"{report['model']} on {report['device']} ({report['dtype']}), batch {report['batch_size']}, "
+                 f"{report['prompts']} prompts x {report['max_new_tokens']} new tokens", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

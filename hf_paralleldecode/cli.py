@@ -63,6 +63,16 @@ def _load(args):
         tokenizer = load_tokenizer(path)
         name = f"{EMBEDDED_MODELS[args.model]} (embedded)" if args.model in EMBEDDED_MODELS else str(args.model)
     model = model.to(device=device, dtype=dtype).eval()
+    if getattr(args, "drafter", None):
+        from .drafters.head import DraftHead
+        from .integration import attach_drafter
+
+        try:
+            head = DraftHead.from_pretrained(args.drafter, use_safetensors=True)
+        except Exception as err:  # noqa: BLE001 - any loading failure is a bad --drafter, reported with its cause
+            raise ValueError(f"Could not load a draft head from --drafter {args.drafter!r}: {err}") from err
+        attach_drafter(model, head.to(device=device, dtype=dtype).eval())
+        name += f" + {args.drafter}"
     return model, tokenizer, name
 
 
@@ -77,6 +87,9 @@ def _add_model_args(p):
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--drafter", default=None,
+                   help="a draft head (folder, Hub id, or the shipped default-jetspec / default-dflash) attached to "
+                        "the model: decoding='speculative' and dflash_transformers use it unless given drafter=")
 
 
 def _prompts(args, default_count):

@@ -90,3 +90,58 @@ def test_cli_sweep_writes_heatmap(tmp_path, capsys):
     report = json.loads((out / "bench.json").read_text())
     assert len(report["results"]) == 1 + 4
     assert (out / "sweep.png").stat().st_size > 1000
+
+
+def _saved_head(tmp_path, target, kind="block_bidirectional"):
+    import torch
+
+    from hf_paralleldecode import DraftHead
+
+    torch.manual_seed(0)
+    head = DraftHead.for_target(target, attention=kind, num_hidden_layers=1, block_size=4)
+    head.save_pretrained(tmp_path / "head")
+    return str(tmp_path / "head")
+
+
+def test_batch_one_peers_run_row_by_row_and_budgets_make_a_scaling_chart(tmp_path):
+    from hf_paralleldecode.bench import scaling_series
+
+    model = tiny_model("llama")
+    head = _saved_head(tmp_path, model)
+    prompts = ["t5 t6 t7 t8 t5 t6", "t9 t10 t11", "t12 t13 t14 t15 t16", "t20 t21"]
+    specs = [parse_strategy(s) for s in (
+        f"speculative:drafter={head},tree_budget=2", f"speculative:drafter={head},tree_budget=6",
+        "prompt_lookup:prompt_lookup_num_tokens=3", f"dflash_transformers:drafter={head}")]
+    report = run_benchmark(model, word_tokenizer(), prompts, specs, max_new_tokens=10, repeats=1, batch_size=2,
+                           output_dir=tmp_path / "o", progress=False)
+    res = report["results"]
+    for lab, r in res.items():
+        assert r["exact_match_vs_ar"] == 1.0, lab
+        assert r["sequential_rows"] == (r["decoding"] in ("prompt_lookup", "dflash_transformers"))
+    # row by row, every target forward serves one row: TPF is tokens per forward, never below 1
+    assert res[f"dflash_transformers(drafter={head})"]["tpf"] >= 1.0
+    series = scaling_series(report, "tree_budget")
+    assert list(series) == [f"speculative(drafter={head})"] and [v for v, _ in series[next(iter(series))]] == [2, 6]
+    assert (tmp_path / "o" / "tree_budget.png").stat().st_size > 1000
+    assert json.loads((tmp_path / "o" / "bench.json").read_text())["results"]["ar"]["decoding"] == "ar"
+
+
+def test_cli_drafter_flag_attaches_a_head_for_speculative_and_dflash(tmp_path, capsys):
+    from hf_paralleldecode.bench import random_model
+    from hf_paralleldecode.loading import default_model_path, load_tokenizer
+
+    target = random_model("random-tiny", vocab_size=len(load_tokenizer(default_model_path())))
+    head = _saved_head(tmp_path, target)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "def f(x):\\n    return"}\n{"prompt": "import os\\n"}\n')
+    argv = ["bench", "--model", "random-tiny", "--prompts", str(prompts), "--max-new-tokens", "6", "--repeats", "1",
+            "--output-dir", str(tmp_path / "o")]
+    assert cli.main([*argv, "--drafter", head, "--strategies", "speculative:tree_budget=4", "dflash_transformers"]) == 0
+    results = json.loads((tmp_path / "o" / "bench.json").read_text())["results"]
+    assert all(r["exact_match_vs_ar"] == 1.0 for r in results.values()) and len(results) == 3
+    capsys.readouterr()
+    for extra, message in ((["--drafter", str(tmp_path / "missing"), "--strategies", "speculative"], "--drafter"),
+                           (["--strategies", "dflash_transformers"], "dflash_transformers needs")):
+        with pytest.raises(SystemExit) as exc:
+            cli.main([*argv, *extra])
+        assert exc.value.code == 2 and message in capsys.readouterr().err
