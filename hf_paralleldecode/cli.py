@@ -267,7 +267,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="hf-paralleldecode", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("train", help="train with a recipe: train --config RECIPE.yaml [--key value ...]")
+    sub.add_parser("train", help="train with a recipe: train --config RECIPE.yaml [--dry-run] [--key value ...]")
     p_env = sub.add_parser("env", help="print versions for bug reports")
     p_env.set_defaults(func=_env)
 

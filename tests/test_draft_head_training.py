@@ -66,7 +66,7 @@ def test_training_forward_drafts_what_the_inference_drafter_drafts(kind, tmp_pat
                                            train_dataset=Dataset.from_list([{"input_ids": [0], "prompt_ids": [0]}]))
     batch = dict(input_ids=seq, attention_mask=torch.ones_like(seq), anchors=torch.tensor([[anchor]]),
                  weights=torch.ones(1, 1, 4))
-    student = trainer.compute_loss(head, batch, return_outputs=True)[1]["student"][0, 0]  # [4, V]
+    student = trainer.compute_loss(head, batch, return_outputs=True)[1]["student"]  # [4 counted positions, V]
     torch.testing.assert_close(student, drafted, rtol=1e-4, atol=1e-4)
 
 
@@ -110,6 +110,24 @@ def test_gradient_accumulation_equals_one_big_batch(tmp_path):
     torch.testing.assert_close(weights[0], weights[1], rtol=1e-4, atol=1e-5)
 
 
+def test_chunked_loss_gives_the_same_step_as_one_chunk(tmp_path):
+    target = hfpd.enable(tiny_model("llama", vocab_size=32))
+    data = _data(target, n=4)
+    weights, losses = [], []
+    for chunk in (100000, 7):  # 7 positions per chunk: many checkpointed chunks
+        torch.manual_seed(0)
+        head = DraftHead.for_target(target, attention="block_bidirectional", num_hidden_layers=1, block_size=3)
+        cfg = _config(tmp_path / f"{chunk}", per_device_train_batch_size=4, max_steps=1, learning_rate=1.0,
+                      optim="sgd", lr_scheduler_type="constant", warmup_steps=0, loss_chunk_size=chunk)
+        trainer = DraftHeadDistillationTrainer(model=head, args=cfg, target_model=target, train_dataset=data,
+                                               data_collator=DraftHeadCollator(3, max_anchors=100))
+        trainer.train()
+        losses.append(trainer.state.log_history[0]["loss"])
+        weights.append(torch.cat([p.detach().reshape(-1) for p in head.parameters()]))
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+    torch.testing.assert_close(weights[0], weights[1], rtol=1e-4, atol=1e-6)
+
+
 def test_collator_and_config_validation():
     col = DraftHeadCollator(3, max_anchors=4, gamma=7.0)
     batch = col([dict(prompt_ids=[1, 2], input_ids=[1, 2, 3, 4, 5]), dict(prompt_ids=[1], input_ids=[1, 2])])
@@ -120,7 +138,7 @@ def test_collator_and_config_validation():
     assert batch["weights"][0, 0].tolist() == pytest.approx(torch.exp(-torch.arange(3.0) / 7).tolist())
     with pytest.raises(ValueError, match="prompt_ids"):
         col([dict(input_ids=[1, 2])])
-    for bad in (dict(objective="jsd"), dict(max_anchors=0), dict(kd_temperature=0.0), dict(gamma=-1.0)):
+    for bad in (dict(objective="jsd"), dict(max_anchors=0), dict(loss_chunk_size=0), dict(kd_temperature=0.0), dict(gamma=-1.0)):
         with pytest.raises(ValueError):
             DraftHeadDistillationConfig(output_dir="x", report_to=[], **bad)
 

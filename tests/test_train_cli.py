@@ -107,3 +107,52 @@ def test_train_cli_draft_head_recipe(setup, tmp_path, attention):
     out = target.generate(input_ids=ids, max_new_tokens=10, return_dict_in_generate=True)
     assert out.decoding == "speculative"
     assert torch.equal(out.sequences, target.generate(input_ids=ids, max_new_tokens=10, decoding="stock"))
+
+
+#: the published configs of the recipes' Hub targets (no Hub access here): sizes only, enough to build on meta
+HUB_CONFIGS = {
+    "Qwen/Qwen3-8B": dict(model_type="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                          num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                          max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                          tie_word_embeddings=False),
+    "Qwen/Qwen2.5-Coder-7B-Instruct": dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944,
+                                           num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                                           vocab_size=152064, max_position_embeddings=32768, rope_theta=1000000.0,
+                                           rms_norm_eps=1e-6, tie_word_embeddings=False),
+    "Qwen/Qwen2.5-Math-7B-Instruct": dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944,
+                                          num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                                          vocab_size=152064, max_position_embeddings=4096, rope_theta=10000.0,
+                                          rms_norm_eps=1e-6, tie_word_embeddings=False),
+}
+RECIPES = sorted(Path(__file__).resolve().parent.parent.glob("recipes/*.yaml"))
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=[r.stem for r in RECIPES])
+def test_every_recipe_passes_a_dry_run(recipe, tmp_path, capsys):
+    """Every shipped recipe parses, validates and builds its model (meta device) and head without weights or data."""
+    from transformers import AutoConfig
+
+    spec = yaml.safe_load(recipe.read_text())
+    extra = []
+    if spec["model_name_or_path"] in HUB_CONFIGS:
+        local = tmp_path / "config"
+        AutoConfig.for_model(**HUB_CONFIGS[spec["model_name_or_path"]]).save_pretrained(local)
+        extra = ["--model_name_or_path", str(local)]
+    else:
+        assert spec["model_name_or_path"] in ("default", "default-trained"), "add the Hub config of a new target"
+    assert cli.main(["train", "--config", str(recipe), "--dry-run", *extra]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["method"] == spec["method"] and summary["trainable_parameters"] > 0
+    if spec["method"] == "draft_head":
+        head = summary["head"]
+        assert head["block_size"] == spec["head_block_size"]
+        assert head["num_hidden_layers"] == spec["head_num_hidden_layers"]
+        if "head_target_layer_ids" in spec:
+            assert head["target_layer_ids"] == spec["head_target_layer_ids"]
+        assert summary["trains"].startswith("the draft head only")
+        if spec["model_name_or_path"] == "Qwen/Qwen3-8B":  # the seed's settings, and a ~1B head (SpecForge's size)
+            assert (head["num_hidden_layers"], head["block_size"], spec["learning_rate"],
+                    spec["per_device_train_batch_size"]) == (5, 16, 3e-4, 2)
+            assert head["mask_token_id"] == 151669 and 0.9e9 < head["parameters"] < 1.2e9
+            assert summary["target_parameters"] > 7.5e9
+    assert not Path(spec["output_dir"]).exists() or spec["model_name_or_path"] in ("default", "default-trained")

@@ -7,6 +7,12 @@ the method's config class (``ConsistencyConfig`` / ``ProgressiveConsistencyConfi
 ``DraftHeadDistillationConfig``, i.e. every
 ``TrainingArguments`` field plus the method's own). Command-line ``--key value`` pairs override
 the file (``HfArgumentParser`` rules). Runs under ``accelerate launch`` as is.
+
+``--dry-run`` checks a recipe without its weights or data: every field is parsed and validated,
+the target is built from its config alone on the meta device (no download of weights, no memory),
+a draft head is built for it (sizes, tapped layers, block) and a summary is printed (parameter
+counts, what is trained and saved, the effective batch, whether the data directory exists). On a
+machine without a GPU the training arguments are validated with ``use_cpu`` (bf16 stays as written).
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ class ScriptArguments:
     head_block_size: int = field(default=16, metadata={"help": "draft_head: drafted positions per block."})
     head_target_layer_ids: list[int] | None = field(default=None, metadata={"help": (
         "draft_head: target layers to tap (default: spread through the depth).")})
+    head_mask_token_id: int | None = field(default=None, metadata={"help": (
+        "draft_head: the MASK token id of a new head (default: the last row of the target's embedding).")})
     init_head: str | None = field(default=None, metadata={"help": "draft_head: start from this saved head instead."})
     drop_degenerate: bool = field(default=True, metadata={"help": "Skip responses flagged as repetitive."})
     attn_implementation: str = field(default="sdpa", metadata={"help": "Attention implementation (4D masks: sdpa or eager)."})
@@ -51,6 +59,51 @@ def _to_argv(mapping: dict) -> list[str]:
     return argv
 
 
+def _new_head(model, script, args):
+    from ..drafters.head import DraftHead
+
+    mask = {} if script.head_mask_token_id is None else {"mask_token_id": script.head_mask_token_id}
+    return DraftHead.for_target(model, attention=script.head_attention, num_hidden_layers=script.head_num_hidden_layers,
+                                block_size=script.head_block_size, target_layer_ids=script.head_target_layer_ids,
+                                target_name_or_path=args.base_model_name_or_path, **mask)
+
+
+def _dry_run(method: str, script, args, model_path) -> dict:
+    """Build what the recipe trains from configs alone (meta device) and summarise it."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(model_path)
+    except Exception as err:  # noqa: BLE001 - offline / missing: name the model
+        raise ValueError(f"Could not read the config of {script.model_name_or_path!r}: {err}") from err
+    with torch.device("meta"):
+        target = AutoModelForCausalLM.from_config(config)
+    count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    world = max(args.world_size, 1)
+    summary = dict(method=method, target=script.model_name_or_path, target_parameters=count(target),
+                   data=script.trajectories, data_exists=Path(script.trajectories, "collection_config.json").is_file(),
+                   output_dir=args.output_dir, precision="bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
+                   effective_batch_per_process=args.per_device_train_batch_size * args.gradient_accumulation_steps,
+                   learning_rate=args.learning_rate)
+    if method == "draft_head":
+        head = _new_head(target, script, args)
+        trainable = count(head)
+        c = head.config
+        summary.update(trains="the draft head only (the target is frozen and never saved)",
+                       head=dict(attention=c.attention, num_hidden_layers=c.num_hidden_layers,
+                                 block_size=c.block_size, target_layer_ids=list(c.target_layer_ids),
+                                 mask_token_id=c.mask_token_id, parameters=trainable),
+                       objective=args.objective, kd_temperature=args.kd_temperature, gamma=args.gamma,
+                       max_anchors=args.max_anchors)
+    else:
+        trainable = count(target)
+        summary.update(trains="the whole model", block_size=getattr(args, "block_size", None))
+    summary["trainable_parameters"] = trainable
+    summary["world_size_here"] = world
+    return summary
+
+
 def train_main(argv: list[str]) -> int:
     import yaml
     from transformers import AutoModelForCausalLM, HfArgumentParser
@@ -59,8 +112,10 @@ def train_main(argv: list[str]) -> int:
     from ..loading import EMBEDDED_MODELS, load_tokenizer, resolve_model_path
     from .trajectories import load_trajectories
 
+    dry_run = "--dry-run" in argv
+    argv = [a for a in argv if a != "--dry-run"]
     if len(argv) < 2 or argv[0] != "--config":
-        raise ValueError("usage: hf-paralleldecode train --config RECIPE.yaml [--key value ...]")
+        raise ValueError("usage: hf-paralleldecode train --config RECIPE.yaml [--dry-run] [--key value ...]")
     recipe_path = Path(argv[1])
     if not recipe_path.is_file():
         raise ValueError(f"Recipe {recipe_path} does not exist.")
@@ -73,10 +128,19 @@ def train_main(argv: list[str]) -> int:
     config_cls = getattr(training, METHODS[method][0])
     trainer_cls = getattr(training, METHODS[method][1])
     parser = HfArgumentParser((ScriptArguments, config_cls))
-    script, args = parser.parse_args_into_dataclasses(args=_to_argv(recipe) + list(argv[2:]))
+    extra = list(argv[2:])
+    if dry_run:
+        import torch
+
+        if not torch.cuda.is_available():
+            extra += ["--use_cpu", "true"]
+    script, args = parser.parse_args_into_dataclasses(args=_to_argv(recipe) + extra)
     model_path = resolve_model_path(script.model_name_or_path)
     if args.base_model_name_or_path is None:  # provenance: the embedded model's name, not the alias
         args.base_model_name_or_path = EMBEDDED_MODELS.get(script.model_name_or_path, str(model_path))
+    if dry_run:
+        print(json.dumps(_dry_run(method, script, args, model_path), indent=2))
+        return 0
     model = AutoModelForCausalLM.from_pretrained(model_path, attn_implementation=script.attn_implementation,
                                                  use_safetensors=True)
     tokenizer = load_tokenizer(model_path)  # saved with the checkpoint
@@ -88,11 +152,7 @@ def train_main(argv: list[str]) -> int:
         if script.init_head:
             head = DraftHead.from_pretrained(script.init_head, use_safetensors=True)
         else:
-            head = DraftHead.for_target(model, attention=script.head_attention,
-                                        num_hidden_layers=script.head_num_hidden_layers,
-                                        block_size=script.head_block_size,
-                                        target_layer_ids=script.head_target_layer_ids,
-                                        target_name_or_path=args.base_model_name_or_path)
+            head = _new_head(model, script, args)
         trainer = trainer_cls(model=head.train(), args=args, target_model=model, train_dataset=dataset)
     else:
         dataset = load_trajectories(script.trajectories, drop_degenerate=script.drop_degenerate, tokenizer=tokenizer)

@@ -48,6 +48,10 @@ class DraftHeadDistillationConfig(TrainingArguments):
     kd_temperature: float = field(default=1.0, metadata={"help": "T_KD of the KL objectives (the loss carries T^2)."})
     gamma: float | None = field(default=None, metadata={"help": (
         "Position-weight decay w_k = exp(-(k-1)/gamma); None = uniform (JetSpec's causal head). DFlash uses 7.")})
+    loss_chunk_size: int = field(default=4096, metadata={"help": (
+        "Drafted positions whose vocabulary-sized logits are materialised at once. The loss is computed over "
+        "chunks of this many positions, each recomputed in the backward pass (activation checkpointing), so "
+        "memory stays bounded with a 150k vocabulary and 512 anchors x 16 positions; the result is the same.")})
     base_model_name_or_path: str | None = field(default=None, metadata={"help": "The target, for the model card."})
     remove_unused_columns: bool = field(default=False, metadata={"help": "Keep the data columns for the collator."})
 
@@ -55,6 +59,9 @@ class DraftHeadDistillationConfig(TrainingArguments):
         super().__post_init__()
         if isinstance(self.max_anchors, bool) or not isinstance(self.max_anchors, int) or self.max_anchors < 1:
             raise ValueError(f"max_anchors must be an integer >= 1, got {self.max_anchors!r}.")
+        if isinstance(self.loss_chunk_size, bool) or not isinstance(self.loss_chunk_size, int) or \
+                self.loss_chunk_size < 1:
+            raise ValueError(f"loss_chunk_size must be an integer >= 1, got {self.loss_chunk_size!r}.")
         if self.objective not in DISTILLATION_OBJECTIVES:
             raise ValueError(f"objective must be one of {DISTILLATION_OBJECTIVES}, got {self.objective!r}.")
         if self.kd_temperature <= 0:
@@ -173,8 +180,8 @@ class DraftHeadDistillationTrainer(Trainer):
         c = head.config
         ids, attn, anchors, weights = (inputs[k] for k in ("input_ids", "attention_mask", "anchors", "weights"))
         device = ids.device
-        with torch.no_grad():
-            teacher_all = self.target(input_ids=ids, attention_mask=attn).logits.float()  # [B, T, V]
+        with torch.no_grad():  # teacher logits stay in the target's dtype; chunks are upcast one at a time
+            teacher_all = self.target(input_ids=ids, attention_mask=attn).logits  # [B, T, V]
             feats = self._taps.features()  # [B, T, F]
         B, T = ids.shape
         slot_ids, slot_pos, intra, query = block_layout(c.attention, c.block_size, anchors.cpu(), ids.cpu(),
@@ -188,21 +195,45 @@ class DraftHeadDistillationTrainer(Trainer):
         positions = torch.cat([torch.arange(T)[None].expand(B, -1), slot_pos], dim=1).to(device)
         hidden = model(head.embed(slot_ids.to(device)), feats, additive_mask(allowed, head.dtype), positions)
         hidden = hidden.reshape(B, A, S, -1)[:, :, query.to(device)]  # [B, A, n, H]
-        student = head.logits(hidden)  # [B, A, n, V]
+        # only positions that count (weight > 0) get logits: padding anchors and positions past the end do not
         k = torch.arange(c.block_size, device=device)
         teacher_pos = (anchors.clamp(min=0)[..., None] + k).clamp(max=T - 1)  # logits at a+k-1 predict a+k
-        teacher = teacher_all.gather(1, teacher_pos.reshape(B, -1, 1).expand(-1, -1, teacher_all.shape[-1]))
-        teacher = teacher.reshape(B, A, c.block_size, -1)
-        labels = ids.gather(1, (teacher_pos + 1).clamp(max=T - 1).reshape(B, -1)).reshape(B, A, c.block_size)
-        loss = draft_distillation_loss(student, teacher, weights.to(device), self.args.objective,
-                                       self.args.kd_temperature, labels=labels, num_items_in_batch=num_items_in_batch)
-        with torch.no_grad():
-            w = weights.to(device)
-            agree = ((student.argmax(-1) == teacher.argmax(-1)).float() * w).sum() / w.sum().clamp(min=1e-12)
-        self._metrics["draft_agreement"].append(float(agree))
+        flat_pos = (teacher_pos + T * torch.arange(B, device=device)[:, None, None]).reshape(-1)
+        w = weights.to(device).reshape(-1)
+        live = (w > 0).nonzero().squeeze(-1)
+        hidden, flat_pos, w = hidden.reshape(-1, hidden.shape[-1])[live], flat_pos[live], w[live]
+        labels = ids.reshape(-1)[(flat_pos + 1).clamp(max=B * T - 1)]
+        teacher_flat = teacher_all.reshape(B * T, -1)
+        denom = num_items_in_batch if num_items_in_batch is not None else w.sum().clamp(min=1e-12)
+        objective, temperature = self.args.objective, self.args.kd_temperature
+
+        def chunk_loss(h, pos, lab, cw):
+            student = head.logits(h)  # [m, V] float
+            teacher = teacher_flat[pos].float()
+            loss = draft_distillation_loss(student, teacher, cw, objective, temperature, labels=lab,
+                                           num_items_in_batch=denom)
+            agree = ((student.detach().argmax(-1) == teacher.argmax(-1)).float() * cw).sum()
+            return loss, agree
+
+        size = self.args.loss_chunk_size
+        if len(live) <= size:
+            loss, agree = chunk_loss(hidden, flat_pos, labels, w)
+        else:  # bounded memory: each chunk's logits are recomputed in the backward pass, never all stored
+            from torch.utils.checkpoint import checkpoint
+
+            loss, agree = hidden.new_zeros(()), hidden.new_zeros(())
+            for i in range(0, len(live), size):
+                part = slice(i, i + size)
+                l_i, a_i = checkpoint(chunk_loss, hidden[part], flat_pos[part], labels[part], w[part],
+                                      use_reentrant=False)
+                loss, agree = loss + l_i, agree + a_i
+        self._metrics["draft_agreement"].append(float(agree / w.sum().clamp(min=1e-12)))
         if num_items_in_batch is not None and self.args.world_size > 1:
             loss = loss * self.accelerator.num_processes  # the DDP gradient mean divides it back out
-        return (loss, {"student": student}) if return_outputs else loss
+        if not return_outputs:
+            return loss
+        with torch.no_grad():  # the counted positions' draft logits, in (row, anchor, depth) order
+            return loss, {"student": head.logits(hidden), "draft_agreement": agree.detach()}
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         logs.update({k: round(sum(v) / len(v), 4) for k, v in self._metrics.items() if v})
