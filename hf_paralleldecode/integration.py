@@ -10,6 +10,12 @@ How (decision)
     strategy up in the registry and calls the stock ``generate`` with ``custom_generate=<strategy>``,
     so transformers still prepares inputs, cache, processors and stopping criteria.
 
+Pickling
+    The swapped class is made per original class at run time, so pickle cannot find it by name. An
+    enabled model pickles as its original class plus "enable me again": ``pickle``, ``copy.deepcopy``
+    and ``torch.save`` / ``torch.load(weights_only=False)`` give back an enabled model with its
+    attached decoding config and draft head.
+
 Streamer
     transformers does not hand ``streamer`` to ``custom_generate`` callables (it even puts the prompt
     into it and never calls ``end()``). The mixin therefore passes the streamer to the strategy as
@@ -35,6 +41,18 @@ class ParallelDecodingMixin:
     """Adds ``decoding=`` to ``generate``; without it, ``generate`` is the stock one."""
 
     _hf_paralleldecode_enabled = True
+
+    def __reduce_ex__(self, protocol):
+        # pickle the instance as its original class, then swap the class back in on load
+        cls = type(self)
+        object.__setattr__(self, "__class__", cls.__mro__[2])  # (swapped, mixin, original, ...)
+        try:
+            reduced = self.__reduce_ex__(protocol)
+        finally:
+            object.__setattr__(self, "__class__", cls)
+        if not isinstance(reduced, tuple):  # pragma: no cover - a global name: nothing to re-enable
+            return reduced
+        return (_enabled_from_reduce, (reduced[0], reduced[1]), *reduced[2:])
 
     def generate(self, *args, decoding: str | None = None, **kwargs):
         if decoding == STOCK:
@@ -96,6 +114,11 @@ class ParallelDecodingMixin:
 
 #: folder of a bundle's draft head, next to the target's weights
 BUNDLE_DRAFTER_DIR = "drafter"
+
+
+def _enabled_from_reduce(rebuild, args):
+    """Unpickling helper: the original class's constructor-from-pickle, then :func:`enable`."""
+    return enable(rebuild(*args))
 
 
 def attach_drafter(model, drafter) -> None:

@@ -170,3 +170,29 @@ def test_config_from_a_newer_version_loads_with_warnings(caplog):
     with pytest.raises(ValueError, match="Unknown decoding 'from_the_future'"):
         model.generate(input_ids=ids, max_new_tokens=3)
     assert model.generate(input_ids=ids, max_new_tokens=3, decoding="stock").shape[1] == ids.shape[1] + 3
+
+
+@pytest.mark.parametrize("how", ["pickle", "deepcopy", "torch.save"])
+def test_an_enabled_model_can_be_pickled_copied_and_saved(how, tmp_path):
+    import copy
+    import io
+    import pickle
+
+    model = hfpd.enable(tiny_model("llama"))
+    model.parallel_decoding_config = hfpd.ParallelDecodingConfig("jacobi", {"block_size": 4})
+    hfpd.integration.attach_drafter(model, hfpd.DraftHead.for_target(model, num_hidden_layers=1, block_size=2))
+    if how == "pickle":
+        clone = pickle.loads(pickle.dumps(model))
+    elif how == "deepcopy":
+        clone = copy.deepcopy(model)
+    else:
+        buf = io.BytesIO()
+        torch.save(model, buf)
+        buf.seek(0)
+        clone = torch.load(buf, weights_only=False)
+    assert hfpd.is_enabled(clone) and type(clone) is type(model) and type(clone).__name__ == "LlamaForCausalLM"
+    assert hfpd.integration.attached_drafter(clone) is not None  # the draft head travels with it
+    ids = torch.tensor([[5, 6, 7, 8]])
+    out = clone.generate(input_ids=ids, max_new_tokens=8, return_dict_in_generate=True)
+    assert out.decoding == "jacobi"
+    assert torch.equal(out.sequences, model.generate(input_ids=ids, max_new_tokens=8, decoding="stock"))

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Draft heads on the embedded model (issue 9): tau and tokens/s against the tree budget, with transformers'
+# prompt lookup, transformers' own DFlash path (the exported head) and AR in the same run, at batch 1, 4 and 8;
+# the FKL / RKL / corpus-text ablation heads; the speed-up formula. Run from the repository root.
+# Each bench block writes bench.json, bench.png and tree_budget.png under $OUT.
+set -euo pipefail
+OUT=${OUT:-bench_out/draft_heads}
+THREADS=${THREADS:-2}
+PROMPTS=${PROMPTS:-16}
+NEW=${NEW:-64}
+REPEATS=${REPEATS:-3}
+JET=${JET:-default-jetspec}
+DFL=${DFL:-default-dflash}
+
+strategies=()
+for b in 16 32 64 128 256; do strategies+=("speculative:drafter=$JET,tree_budget=$b"); done
+for b in 16 32 64 128 256; do strategies+=("speculative:drafter=$DFL,tree_budget=$b"); done
+strategies+=("speculative:drafter=$DFL,tree_budget=8,tree_width=1" "dflash_transformers:drafter=$DFL" prompt_lookup)
+
+for batch in ${BATCHES:-1 4 8}; do
+  hf-paralleldecode bench --model default --num-prompts "$PROMPTS" --max-new-tokens "$NEW" --repeats "$REPEATS" \
+    --threads "$THREADS" --batch-size "$batch" --strategies "${strategies[@]}" --output-dir "$OUT/batch$batch"
+done
+
+# the Jacobi Forcing checkpoint's TPF on the same prompts (its own model: the heads draft for the base model)
+hf-paralleldecode bench --model default-trained --num-prompts "$PROMPTS" --max-new-tokens "$NEW" --repeats 1 \
+  --threads "$THREADS" --strategies jacobi_forcing prompt_lookup --output-dir "$OUT/jacobi_forcing"
+
+# ablations (JetSpec Table 4 / Table 6), heads trained by recipes/draft_head_tiny_cpu.yaml with
+#   --objective reverse_kl  and  --trajectories runs/dh/regen_text (regenerate --response-column continuation)
+if [[ -n "${ABLATION_HEADS:-}" ]]; then
+  ablation=()
+  for h in $JET $ABLATION_HEADS; do
+    ablation+=("speculative:drafter=$h,tree_budget=4,tree_depth=4,tree_width=1" "speculative:drafter=$h,tree_budget=64")
+  done
+  hf-paralleldecode bench --model default --num-prompts "$PROMPTS" --max-new-tokens "$NEW" --repeats 1 \
+    --threads "$THREADS" --strategies "${ablation[@]}" prompt_lookup --output-dir "$OUT/ablation"
+fi
+
+python recipes/benchmarks/speedup_formula.py --threads "$THREADS" --num-prompts "$PROMPTS" --max-new-tokens "$NEW" \
+  --heads "$JET" "$DFL" --budgets 16 64 256 --output "$OUT/speedup_formula.json"
