@@ -253,6 +253,14 @@ def _demo_part(args, model, tokenizer, name, prompts, strategies, sample_kwargs)
     return report
 
 
+class _ExactParser(argparse.ArgumentParser):
+    """Subcommand parser without prefix matching: ``--max-new`` is an error, not ``--max-new-tokens``."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -264,9 +272,9 @@ def main(argv=None) -> int:
         except ValueError as err:
             print(f"error: {err}", file=sys.stderr)
             return 2
-    parser = argparse.ArgumentParser(prog="hf-paralleldecode", description=__doc__,
+    parser = argparse.ArgumentParser(prog="hf-paralleldecode", description=__doc__, allow_abbrev=False,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_ExactParser)
     sub.add_parser("train", help="train with a recipe: train --config RECIPE.yaml [--dry-run] [--key value ...]")
     p_env = sub.add_parser("env", help="print versions for bug reports")
     p_env.set_defaults(func=_env)

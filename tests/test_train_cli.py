@@ -156,3 +156,28 @@ def test_every_recipe_passes_a_dry_run(recipe, tmp_path, capsys):
             assert head["mask_token_id"] == 151669 and 0.9e9 < head["parameters"] < 1.2e9
             assert summary["target_parameters"] > 7.5e9
     assert not Path(spec["output_dir"]).exists() or spec["model_name_or_path"] in ("default", "default-trained")
+
+
+def test_train_help_lists_the_recipe_fields(capsys):
+    assert cli.main(["train", "--help"]) == 0
+    out = capsys.readouterr().out
+    for name in ("model_name_or_path", "noise_schedule", "max_anchors", "objective", "consistency"):
+        assert name in out
+    assert cli.main(["train", "--method", "draft_head", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "--loss_chunk_size" in out and "--learning_rate" in out  # HfArgumentParser's full listing
+
+
+def test_unknown_or_abbreviated_keys_name_the_closest_field(setup, tmp_path, capsys):
+    recipe = _recipe(setup, "jacobi_forcing", tmp_path / "out")
+    spec = yaml.safe_load(recipe.read_text())
+    spec["noise_schedul"] = "linear"  # a prefix of noise_schedule: never matched silently
+    recipe.write_text(yaml.safe_dump(spec))
+    assert cli.main(["train", "--config", str(recipe)]) == 2
+    assert "'noise_schedul'" in (err := capsys.readouterr().err) and "Did you mean 'noise_schedule'" in err
+    good = _recipe(setup, "jacobi_forcing", tmp_path / "out2")
+    assert cli.main(["train", "--config", str(good), "--max_step", "2"]) == 2
+    assert "Did you mean 'max_steps'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # the other subcommands do not match prefixes either
+        cli.main(["bench", "--max-new", "4"])
+    assert "unrecognized arguments: --max-new" in capsys.readouterr().err

@@ -59,6 +59,65 @@ def _to_argv(mapping: dict) -> list[str]:
     return argv
 
 
+def _field_names(*classes) -> set[str]:
+    import dataclasses
+
+    return {f.name for cls in classes for f in dataclasses.fields(cls) if f.init}
+
+
+def _check_keys(recipe: dict, overrides: list[str], config_cls) -> None:
+    """Unknown recipe keys or ``--flags`` name the closest valid key (no prefix matching, no silent drop)."""
+    import difflib
+
+    valid = _field_names(ScriptArguments, config_cls)
+    given = [(k, "recipe key") for k in recipe]
+    given += [(a[2:].split("=", 1)[0].replace("-", "_"), "flag") for a in overrides if a.startswith("--")]
+    for key, what in given:
+        if key not in valid:
+            close = difflib.get_close_matches(key, sorted(valid), n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise ValueError(f"Unknown {what} {key!r} for {config_cls.__name__}.{hint} "
+                             "(`hf-paralleldecode train --config RECIPE --help` lists every field.)")
+
+
+def train_help(argv: list[str]) -> str:
+    """``train --help``: the recipe fields. With ``--config RECIPE`` (or ``--method M``): every field of
+    that method's config as ``HfArgumentParser`` gives them; alone: the script fields and each
+    method's own fields."""
+    import dataclasses
+
+    import yaml
+    from transformers import HfArgumentParser, TrainingArguments
+
+    from .. import training
+
+    method = None
+    if "--method" in argv and argv.index("--method") + 1 < len(argv):
+        method = argv[argv.index("--method") + 1]
+    elif "--config" in argv and argv.index("--config") + 1 < len(argv):
+        path = Path(argv[argv.index("--config") + 1])
+        method = (yaml.safe_load(path.read_text()) or {}).get("method") if path.is_file() else None
+    usage = ("usage: hf-paralleldecode train --config RECIPE.yaml [--dry-run] [--key value ...]\n\n"
+             "A recipe is a YAML mapping of the fields below; --key value overrides a field.\n")
+    if method in METHODS:
+        parser = HfArgumentParser((ScriptArguments, getattr(training, METHODS[method][0])),
+                                  prog=f"hf-paralleldecode train  (method: {method})")
+        return usage + parser.format_help()
+    lines = [usage, "Script fields (every method):"]
+    for f in dataclasses.fields(ScriptArguments):
+        lines.append(f"  {f.name:<26} {f.metadata.get('help', '')}")
+    base = _field_names(TrainingArguments)
+    for name, (config_name, _) in METHODS.items():
+        cls = getattr(training, config_name)
+        lines.append(f"\nmethod: {name} ({config_name}: every transformers TrainingArguments field, plus)")
+        for f in dataclasses.fields(cls):
+            if f.init and f.name not in base:
+                lines.append(f"  {f.name:<26} {f.metadata.get('help', '')}")
+    lines.append("\nAll fields of one method: hf-paralleldecode train --method NAME --help "
+                 "(or --config RECIPE.yaml --help)")
+    return "\n".join(lines)
+
+
 def _new_head(model, script, args):
     from ..drafters.head import DraftHead
 
@@ -112,6 +171,9 @@ def train_main(argv: list[str]) -> int:
     from ..loading import EMBEDDED_MODELS, load_tokenizer, resolve_model_path
     from .trajectories import load_trajectories
 
+    if "-h" in argv or "--help" in argv:
+        print(train_help(argv))
+        return 0
     dry_run = "--dry-run" in argv
     argv = [a for a in argv if a != "--dry-run"]
     if len(argv) < 2 or argv[0] != "--config":
@@ -127,8 +189,9 @@ def train_main(argv: list[str]) -> int:
         raise ValueError(f"Recipe `method` must be one of {sorted(METHODS)}, got {method!r}.")
     config_cls = getattr(training, METHODS[method][0])
     trainer_cls = getattr(training, METHODS[method][1])
-    parser = HfArgumentParser((ScriptArguments, config_cls))
+    parser = HfArgumentParser((ScriptArguments, config_cls), allow_abbrev=False)
     extra = list(argv[2:])
+    _check_keys(recipe, extra, config_cls)
     if dry_run:
         import torch
 
