@@ -57,6 +57,9 @@ class ParallelDecodingConfig:
         unknown = sorted(k for k in self.settings if k not in params or k in ("model", "input_ids"))
         if unknown:
             raise ValueError(f"Unknown settings {unknown} for decoding {self.decoding!r}.")
+        check = getattr(strategy, "check_settings", None)
+        if check is not None:  # values, not only names: refused here rather than at the first generate()
+            check(self.settings)
         if "drafter" in self.settings:
             raise ValueError("Name the draft head with `drafter=` (a folder, path or repo id), not inside `settings`.")
         if self.drafter is not None and not isinstance(self.drafter, str):

@@ -96,11 +96,28 @@ def test_config_drops_unknown_keys_from_newer_versions_with_a_warning(tmp_path, 
         (dict(decoding="nope"), "Unknown decoding"),
         (dict(decoding="jacobi", settings={"blocksize": 3}), "Unknown settings"),
         (dict(decoding="jacobi", settings=[1]), "must be a dict"),
+        # values are checked at construction, for every strategy, not at the first generate()
+        (dict(decoding="jacobi", settings={"block_size": 0}), "block_size"),
+        (dict(decoding="jacobi", settings={"jacobi_init": "zeros"}), "jacobi_init"),
+        (dict(decoding="jacobi_forcing", settings={"activation_ratio": 1.5}), "activation_ratio"),
+        (dict(decoding="jacobi_forcing", settings={"num_blocks": 2.0}), "num_blocks"),
+        (dict(decoding="lookahead", settings={"ngram_size": 1}), "ngram_size"),
+        (dict(decoding="lookahead", settings={"pool_from_prompt": "yes"}), "pool_from_prompt"),
+        (dict(decoding="speculative", settings={"tree_budget": 0}), "tree_budget"),
+        (dict(decoding="speculative", settings={"tree_depth": -1}), "tree_depth"),
     ],
 )
 def test_config_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
         ParallelDecodingConfig(**kwargs)
+
+
+def test_config_accepts_every_strategy_default_and_preset_placeholders():
+    from hf_paralleldecode.registry import available_decodings
+
+    for name in available_decodings():
+        ParallelDecodingConfig(name, {})
+    ParallelDecodingConfig("jacobi_forcing", {"block_size": None, "num_blocks": 2})  # None: the device preset
 
 
 def test_config_from_bad_files(tmp_path):

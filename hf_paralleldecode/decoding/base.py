@@ -67,6 +67,26 @@ def check_int_setting(name: str, value, minimum: int) -> int:
     return value
 
 
+def checks_settings(check):
+    """Decorator for a strategy: ``strategy.check_settings(settings)`` runs ``check`` on the settings it
+    names, the strategy's defaults filling the rest, without a model. ``ParallelDecodingConfig``
+    uses it to refuse bad values at construction instead of at the first ``generate``."""
+    import inspect
+
+    names = list(inspect.signature(check).parameters)
+
+    def attach(strategy):
+        params = inspect.signature(strategy).parameters
+
+        def check_settings(settings: dict) -> None:
+            check(**{n: settings.get(n, params[n].default) for n in names})
+
+        strategy.check_settings = check_settings
+        return strategy
+
+    return attach
+
+
 def _validate(model, name, input_ids, generation_config, logits_processor, model_kwargs):
     if getattr(model.config, "is_encoder_decoder", False):
         raise ValueError(f"decoding={name!r} supports decoder-only causal LMs; this model is encoder-decoder.")

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Proposer, check_int_setting, decode
+from .base import Proposer, check_int_setting, checks_settings, decode
 from .tree import chain_tree
 
 __all__ = ["jacobi", "JACOBI_INITS"]
@@ -97,6 +97,7 @@ class JacobiProposer(Proposer):
         self.draft[:, 1:] = torch.where(rows_mask[:, None], fill, self.draft[:, 1:])
 
 
+@checks_settings(_check_jacobi_settings)
 def jacobi(
     model,
     input_ids: torch.LongTensor,

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Proposer, check_int_setting, decode
+from .base import Proposer, check_int_setting, checks_settings, decode
 from .ngram_pool import NgramPool
 from .tree import pack_trees
 
@@ -44,22 +44,27 @@ GPU_DEFAULTS = dict(block_size=64, num_blocks=2, activation_ratio=0.85, pool_siz
 CPU_DEFAULTS = dict(block_size=4, num_blocks=2, activation_ratio=0.85, pool_size=8)
 
 
+def _check_settings(block_size, num_blocks, activation_ratio, pool_size, ngram_size, jacobi_seed):
+    """Values as given; ``None`` means "the device preset" and is filled in by :func:`_resolve_settings`."""
+    for name, value, low in (("block_size", block_size, 1), ("num_blocks", num_blocks, 1), ("pool_size", pool_size, 0),
+                             ("ngram_size", ngram_size, 2), ("jacobi_seed", jacobi_seed, 0)):
+        if value is not None:
+            check_int_setting(name, value, low)
+    if activation_ratio is not None:
+        if isinstance(activation_ratio, bool) or not isinstance(activation_ratio, (int, float)):
+            raise ValueError(f"`activation_ratio` must be a number in (0, 1], got {activation_ratio!r}.")
+        if not 0 < activation_ratio <= 1:
+            raise ValueError(f"`activation_ratio` must be in (0, 1], got {activation_ratio}.")
+
+
 def _resolve_settings(model, block_size, num_blocks, activation_ratio, pool_size, ngram_size, jacobi_seed):
     preset = GPU_DEFAULTS if model.device.type == "cuda" else CPU_DEFAULTS
     block_size = preset["block_size"] if block_size is None else block_size
     num_blocks = preset["num_blocks"] if num_blocks is None else num_blocks
     activation_ratio = preset["activation_ratio"] if activation_ratio is None else activation_ratio
     pool_size = preset["pool_size"] if pool_size is None else pool_size
-    check_int_setting("block_size", block_size, 1)
-    check_int_setting("num_blocks", num_blocks, 1)
-    check_int_setting("pool_size", pool_size, 0)
-    check_int_setting("jacobi_seed", jacobi_seed, 0)
-    if isinstance(activation_ratio, bool) or not isinstance(activation_ratio, (int, float)):
-        raise ValueError(f"`activation_ratio` must be a number in (0, 1], got {activation_ratio!r}.")
-    if not 0 < activation_ratio <= 1:
-        raise ValueError(f"`activation_ratio` must be in (0, 1], got {activation_ratio}.")
     ngram_size = max(block_size, 2) if ngram_size is None else ngram_size
-    check_int_setting("ngram_size", ngram_size, 2)
+    _check_settings(block_size, num_blocks, activation_ratio, pool_size, ngram_size, jacobi_seed)
     return block_size, num_blocks, float(activation_ratio), pool_size, ngram_size
 
 
@@ -152,6 +157,7 @@ class MultiblockProposer(Proposer):
             self._fit(r, root_pos, fills[i])
 
 
+@checks_settings(_check_settings)
 def jacobi_forcing(
     model,
     input_ids: torch.LongTensor,

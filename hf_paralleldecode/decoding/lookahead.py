@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Proposer, check_int_setting, decode
+from .base import Proposer, check_int_setting, checks_settings, decode
 from .ngram_pool import NgramPool
 from .tree import pack_trees
 
@@ -113,6 +113,7 @@ class LookaheadProposer(Proposer):
             self.levels[r], self.ages[r] = levels, ages
 
 
+@checks_settings(_check_settings)
 def lookahead(
     model,
     input_ids: torch.LongTensor,

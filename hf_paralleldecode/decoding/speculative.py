@@ -36,7 +36,7 @@ import time
 import torch
 from transformers.cache_utils import DynamicCache
 
-from .base import Proposer, check_int_setting, decode
+from .base import Proposer, check_int_setting, checks_settings, decode
 from .cache import SlotCache, additive_mask
 from .draft_tree import TreeBuilder
 from .processors import prefix_independent, process_prefixes
@@ -44,6 +44,13 @@ from .target import HiddenStateTaps
 from .tree import PackedTree, tree_from_parents
 
 __all__ = ["speculative"]
+
+
+def _check_tree(tree_budget, tree_width, tree_depth):
+    check_int_setting("tree_budget", tree_budget, 1)
+    check_int_setting("tree_width", tree_width, 1)
+    if tree_depth is not None:
+        check_int_setting("tree_depth", tree_depth, 1)
 
 
 def _check_settings(model, drafter, tree_budget, tree_width, tree_depth):
@@ -62,10 +69,8 @@ def _check_settings(model, drafter, tree_budget, tree_width, tree_depth):
     if not isinstance(drafter, DraftHead):
         raise ValueError(f"`drafter` must be a hf_paralleldecode.DraftHead, got {type(drafter).__name__}.")
     drafter.check_target(model)
-    check_int_setting("tree_budget", tree_budget, 1)
-    check_int_setting("tree_width", tree_width, 1)
+    _check_tree(tree_budget, tree_width, tree_depth)
     depth = drafter.config.block_size if tree_depth is None else tree_depth
-    check_int_setting("tree_depth", depth, 1)
     if drafter.config.attention == "block_bidirectional" and depth > drafter.config.block_size:
         raise ValueError(
             f"tree_depth={depth} exceeds the block_bidirectional head's block_size={drafter.config.block_size}: "
@@ -310,6 +315,7 @@ class DraftHeadProposer(Proposer):
         )
 
 
+@checks_settings(_check_tree)
 def speculative(
     model,
     input_ids: torch.LongTensor,
