@@ -25,11 +25,14 @@ Streamer
 from __future__ import annotations
 
 import inspect
+import logging
 
 from .registry import get_decoding
 
 __all__ = ["enable", "ParallelDecodingMixin", "is_enabled", "STOCK", "attach_drafter", "attached_drafter",
            "BUNDLE_DRAFTER_DIR"]
+
+logger = logging.getLogger(__name__)
 
 #: ``decoding="stock"`` runs transformers' own generate, ignoring a checkpoint's decoding defaults.
 STOCK = "stock"
@@ -61,6 +64,12 @@ class ParallelDecodingMixin:
         defaults = pd_config.generate_kwargs() if pd_config is not None else {}
         if decoding is None:
             decoding = defaults.pop("decoding", None)
+            conflict = _default_cannot_serve(self, kwargs) if decoding is not None else None
+            if conflict is not None:  # a checkpoint default steps aside; an explicit decoding= still raises
+                logger.info("The checkpoint's default decoding=%r steps aside for this call (it %s); running "
+                            "stock generate. Pass decoding=%r explicitly to get the error instead.",
+                            decoding, conflict, decoding)
+                return super().generate(*args, **kwargs)
         elif defaults.get("decoding") != decoding:
             defaults = {}
         else:
@@ -114,6 +123,25 @@ class ParallelDecodingMixin:
 
 #: folder of a bundle's draft head, next to the target's weights
 BUNDLE_DRAFTER_DIR = "drafter"
+
+
+def _default_cannot_serve(model, kwargs) -> str | None:
+    """Why the checkpoint's default decoding cannot serve a ``generate`` call, or ``None``."""
+    import copy
+
+    from .decoding.base import generation_config_conflict
+
+    if kwargs.get("assistant_model") is not None or kwargs.get("prompt_lookup_num_tokens"):
+        return "cannot be combined with assisted generation"
+    if kwargs.get("custom_generate") is not None:
+        return "is replaced by the call's own custom_generate"
+    if kwargs.get("synced_gpus"):
+        return "does not support synced_gpus=True"
+    if kwargs.get("inputs_embeds") is not None:
+        return "needs input_ids, not inputs_embeds"
+    config = copy.deepcopy(kwargs.get("generation_config") or model.generation_config)
+    config.update(**{k: v for k, v in kwargs.items() if hasattr(config, k)})
+    return generation_config_conflict(config)
 
 
 def _enabled_from_reduce(rebuild, args):

@@ -213,3 +213,30 @@ def test_an_enabled_model_can_be_pickled_copied_and_saved(how, tmp_path):
     out = clone.generate(input_ids=ids, max_new_tokens=8, return_dict_in_generate=True)
     assert out.decoding == "jacobi"
     assert torch.equal(out.sequences, model.generate(input_ids=ids, max_new_tokens=8, decoding="stock"))
+
+
+@pytest.mark.parametrize("call", [
+    dict(num_beams=3), dict(num_beams=2, num_return_sequences=2), dict(do_sample=True, num_return_sequences=2),
+    dict(prompt_lookup_num_tokens=3), dict(use_cache=False), dict(output_attentions=True, return_dict_in_generate=True),
+])
+def test_checkpoint_defaults_step_aside_for_calls_they_cannot_serve(call, caplog):
+    model = hfpd.enable(tiny_model("llama"))
+    model.parallel_decoding_config = hfpd.ParallelDecodingConfig("jacobi", {"block_size": 4})
+    ids = torch.tensor([[5, 6, 7, 8]])
+    torch.manual_seed(0)
+    with caplog.at_level(logging.INFO, logger="hf_paralleldecode"):
+        out = model.generate(input_ids=ids, max_new_tokens=6, **call)
+    torch.manual_seed(0)
+    ref = model.generate(input_ids=ids, max_new_tokens=6, decoding="stock", **call)
+    seqs = out.sequences if hasattr(out, "sequences") else out
+    assert torch.equal(seqs, ref.sequences if hasattr(ref, "sequences") else ref)
+    assert "steps aside" in caplog.text
+    with pytest.raises(ValueError):  # asked for explicitly, it is refused as before
+        model.generate(input_ids=ids, max_new_tokens=6, decoding="jacobi", **call)
+
+
+def test_checkpoint_defaults_still_serve_plain_calls():
+    model = hfpd.enable(tiny_model("llama"))
+    model.parallel_decoding_config = hfpd.ParallelDecodingConfig("jacobi", {"block_size": 4})
+    out = model.generate(input_ids=torch.tensor([[5, 6, 7, 8]]), max_new_tokens=6, return_dict_in_generate=True)
+    assert out.decoding == "jacobi"

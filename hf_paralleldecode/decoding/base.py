@@ -87,20 +87,27 @@ def checks_settings(check):
     return attach
 
 
+def generation_config_conflict(generation_config) -> str | None:
+    """Why a parallel decoding cannot serve a call with this (resolved) generation config, or ``None``."""
+    gc = generation_config
+    if gc.num_beams is not None and gc.num_beams > 1:
+        return "does not combine with beam search: set num_beams=1."
+    if gc.num_return_sequences not in (None, 1):
+        return "supports num_return_sequences=1 only."
+    if gc.use_cache is False:
+        return "needs the KV cache: do not pass use_cache=False."
+    if gc.output_attentions or gc.output_hidden_states:
+        return ("cannot return per-step attentions or hidden states: set output_attentions=False and "
+                "output_hidden_states=False.")
+    return None
+
+
 def _validate(model, name, input_ids, generation_config, logits_processor, model_kwargs):
     if getattr(model.config, "is_encoder_decoder", False):
         raise ValueError(f"decoding={name!r} supports decoder-only causal LMs; this model is encoder-decoder.")
-    if generation_config.num_beams is not None and generation_config.num_beams > 1:
-        raise ValueError(f"decoding={name!r} does not combine with beam search: set num_beams=1.")
-    if generation_config.num_return_sequences not in (None, 1):
-        raise ValueError(f"decoding={name!r} supports num_return_sequences=1 only.")
-    if generation_config.use_cache is False:
-        raise ValueError(f"decoding={name!r} needs the KV cache: do not pass use_cache=False.")
-    if generation_config.output_attentions or generation_config.output_hidden_states:
-        raise ValueError(
-            f"decoding={name!r} cannot return per-step attentions or hidden states: set output_attentions=False "
-            "and output_hidden_states=False."
-        )
+    conflict = generation_config_conflict(generation_config)
+    if conflict is not None:
+        raise ValueError(f"decoding={name!r} {conflict}")
     if model_kwargs.get("inputs_embeds") is not None:
         raise ValueError(f"decoding={name!r} needs input_ids; inputs_embeds are not supported.")
     if input_ids.shape[1] == 0:
