@@ -96,8 +96,13 @@ class CommitLog:
         if requested is None or values is None:
             return
         buf = getattr(self, name)
-        if buf is None:
-            buf = values.new_zeros(self.batch_size, self.max_new_tokens, values.shape[-1])
+        need = int(pos[take].max()) + 1 if bool(take.any()) else 0
+        if buf is None or buf.shape[1] < need:  # grown by doubling: never sized for max_new_tokens up front
+            old = buf.shape[1] if buf is not None else 0
+            grown = values.new_zeros(self.batch_size, min(self.max_new_tokens, max(need, 2 * old, 16)), values.shape[-1])
+            if buf is not None:
+                grown[:, :old] = buf
+            buf = grown
             setattr(self, name, buf)
         buf[row_idx[take], pos[take]] = values[take]
 
@@ -113,7 +118,12 @@ class CommitLog:
         """Emit every step that all unfinished rows have committed; update ``unfinished``."""
         while self.unfinished.any() and self.emitted < self.max_new_tokens:
             t = self.emitted
-            if bool((self.unfinished & (self.count <= t)).any()):
+            # with an EOS criterion a finished row's step is padding; without one stock keeps writing the
+            # row's real tokens, so every row must have committed step t
+            waiting = self.count <= t
+            if self.has_eos_criteria:
+                waiting &= self.unfinished
+            if bool(waiting.any()):
                 return
             step = self.tokens[:, t]
             if self.has_eos_criteria:
