@@ -102,7 +102,27 @@ def generation_config_conflict(generation_config) -> str | None:
     return None
 
 
+#: what ``generate`` hands every callable and :func:`start` consumes
+_HANDLED_INPUTS = frozenset({"attention_mask", "position_ids", "past_key_values", "use_cache", "logits_to_keep",
+                             "cache_position", "inputs_embeds", "output_attentions", "output_hidden_states",
+                             "return_dict"})  # the output flags are checked with the generation config
+#: model inputs fed at every step exactly as stock generation extends them
+STEP_INPUTS = ("token_type_ids",)
+
+
+def _check_model_inputs(name: str, model_kwargs: dict) -> None:
+    refused = sorted(k for k, v in model_kwargs.items()
+                     if v is not None and k not in _HANDLED_INPUTS and k not in STEP_INPUTS)
+    if refused:
+        raise ValueError(
+            f"decoding={name!r} cannot feed the model input(s) {refused} at every step (it feeds input_ids, "
+            f"attention_mask, position_ids and {', '.join(STEP_INPUTS)}); they would be silently ignored. "
+            'Use decoding="stock" for this call.'
+        )
+
+
 def _validate(model, name, input_ids, generation_config, logits_processor, model_kwargs):
+    _check_model_inputs(name, model_kwargs)
     if getattr(model.config, "is_encoder_decoder", False):
         raise ValueError(f"decoding={name!r} supports decoder-only causal LMs; this model is encoder-decoder.")
     conflict = generation_config_conflict(generation_config)
@@ -167,7 +187,7 @@ class DecodeRun:
         The rule (greedy / sample-then-match / rejection sampling with ``tree.q``) is
         :func:`~.verify.verify_tree`'s. Returns its :class:`~.verify.Verdict`.
         """
-        logits = self.target.forward(tree, self.slots, self.next_positions())
+        logits = self.target.forward(tree, self.slots, self.next_positions(), self.rows)
         scores = self.process(logits, tree)
         verdict = verify_tree(tree, scores, bool(self.generation_config.do_sample), tree.q)
         self.commit(verdict, scores, logits)
@@ -281,6 +301,8 @@ def start(
     if position_ids is None:
         position_ids = (attention_mask.long().cumsum(-1) - 1).masked_fill_(attention_mask == 0, 1)
 
+    token_types = model_kwargs.get("token_type_ids")
+
     log = CommitLog(
         input_ids,
         generation_config,
@@ -292,6 +314,7 @@ def start(
     slots = SlotCache(cache, attention_mask.bool(), dtype=model.dtype)
     rows = torch.arange(batch, device=input_ids.device)
     run = DecodeRun(model, name, input_ids, generation_config, logits_processor, log, slots, rows)
+    run.target.token_type_ids = token_types
     run.prompt_mask = attention_mask.bool()  # [batch, prompt_len]
     run.prompt_positions = position_ids  # [batch, prompt_len]
     # Stock generation continues each row's position ids from the prompt's last one; with left

@@ -96,6 +96,16 @@ class TargetForward:
         self.seconds = 0.0
         self._takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._cuda = model.device.type == "cuda"
+        self.token_type_ids = None  # [batch, prompt_len] when given: new tokens repeat each row's last type
+
+    def prompt_inputs(self) -> dict:
+        return {} if self.token_type_ids is None else {"token_type_ids": self.token_type_ids}
+
+    def step_inputs(self, rows: torch.Tensor, shape) -> dict:
+        """Per-token inputs of new tokens, extended as stock ``_update_model_kwargs_for_generation`` does."""
+        if self.token_type_ids is None:
+            return {}
+        return {"token_type_ids": self.token_type_ids[rows.to(self.token_type_ids.device), -1:].expand(shape)}
 
     def _run(self, logits_to_keep: int, **kwargs) -> torch.Tensor:
         extra = {"logits_to_keep": logits_to_keep} if self._takes_logits_to_keep else {}
@@ -115,10 +125,11 @@ class TargetForward:
         logits = self._run(
             1, input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
             position_ids=position_ids.to(device), past_key_values=cache,
+            **{k: v.to(device) for k, v in self.prompt_inputs().items()},
         )
         return logits[:, -1].float().to(input_ids.device)
 
-    def forward(self, tree, slots, first_positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, tree, slots, first_positions: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         """One forward of ``tree`` after each row's committed slots; fp32 logits ``[active, nodes, vocab]``.
 
         Node ``j`` of a row sits at position ``first_positions[row] + depth[row, j]`` and attends
@@ -129,5 +140,6 @@ class TargetForward:
             0, input_ids=tree.tokens.to(device),
             position_ids=(first_positions[:, None] + tree.depth).to(device),
             attention_mask=slots.attention_mask(tree.mask).to(device), past_key_values=slots.cache,
+            **({} if rows is None else {k: v.to(device) for k, v in self.step_inputs(rows, tree.tokens.shape).items()}),
         )
         return logits.float().to(tree.tokens.device)

@@ -8,16 +8,17 @@ OUT=${OUT:-bench_out/draft_heads}
 THREADS=${THREADS:-2}
 PROMPTS=${PROMPTS:-16}
 NEW=${NEW:-64}
-REPEATS=${REPEATS:-3}
+REPEATS=${REPEATS:-1}
 JET=${JET:-default-jetspec}
 DFL=${DFL:-default-dflash}
 
-strategies=()
-for b in 16 32 64 128 256; do strategies+=("speculative:drafter=$JET,tree_budget=$b"); done
-for b in 16 32 64 128 256; do strategies+=("speculative:drafter=$DFL,tree_budget=$b"); done
-strategies+=("speculative:drafter=$DFL,tree_budget=8,tree_width=1" "dflash_transformers:drafter=$DFL" prompt_lookup)
-
 for batch in ${BATCHES:-1 4 8}; do
+  # every budget at batch 1; three at larger batches (each budget costs a full pass over the prompts)
+  if [[ $batch == 1 ]]; then budgets=${BUDGETS:-16 32 64 128 256}; else budgets=${BATCH_BUDGETS:-16 64 256}; fi
+  strategies=()
+  for b in $budgets; do strategies+=("speculative:drafter=$JET,tree_budget=$b"); done
+  for b in $budgets; do strategies+=("speculative:drafter=$DFL,tree_budget=$b"); done
+  strategies+=("speculative:drafter=$DFL,tree_budget=8,tree_width=1" "dflash_transformers:drafter=$DFL" prompt_lookup)
   hf-paralleldecode bench --model default --num-prompts "$PROMPTS" --max-new-tokens "$NEW" --repeats "$REPEATS" \
     --threads "$THREADS" --batch-size "$batch" --strategies "${strategies[@]}" --output-dir "$OUT/batch$batch"
 done
