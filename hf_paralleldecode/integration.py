@@ -27,6 +27,7 @@ from __future__ import annotations
 import inspect
 import logging
 
+from .decoding.support import call_conflict
 from .registry import get_decoding
 
 __all__ = ["enable", "ParallelDecodingMixin", "is_enabled", "STOCK", "attach_drafter", "attached_drafter",
@@ -62,14 +63,9 @@ class ParallelDecodingMixin:
             return super().generate(*args, **kwargs)
         pd_config = getattr(self, "parallel_decoding_config", None)
         defaults = pd_config.generate_kwargs() if pd_config is not None else {}
+        explicit = decoding is not None
         if decoding is None:
             decoding = defaults.pop("decoding", None)
-            conflict = _default_cannot_serve(self, kwargs) if decoding is not None else None
-            if conflict is not None:  # a checkpoint default steps aside; an explicit decoding= still raises
-                logger.info("The checkpoint's default decoding=%r steps aside for this call (it %s); running "
-                            "stock generate. Pass decoding=%r explicitly to get the error instead.",
-                            decoding, conflict, decoding)
-                return super().generate(*args, **kwargs)
         elif defaults.get("decoding") != decoding:
             defaults = {}
         else:
@@ -77,15 +73,15 @@ class ParallelDecodingMixin:
         if decoding is None:
             return super().generate(*args, **kwargs)
         strategy = get_decoding(decoding)
-        if kwargs.pop("custom_generate", None) is not None:
-            raise ValueError("Pass either `decoding=` or `custom_generate=`, not both.")
-        if kwargs.get("assistant_model") is not None or kwargs.get("prompt_lookup_num_tokens"):
-            raise ValueError(
-                f"decoding={decoding!r} replaces the decoding loop; it cannot be combined with assisted generation "
-                "(`assistant_model` / `prompt_lookup_num_tokens`). Drop one of them."
-            )
-        if kwargs.get("synced_gpus"):
-            raise ValueError(f"decoding={decoding!r} does not support synced_gpus=True.")
+        conflict = call_conflict(self, strategy, kwargs)
+        if conflict is not None:
+            if explicit:
+                raise ValueError(f"decoding={decoding!r} {conflict}")
+            # a checkpoint default steps aside for calls it cannot serve; an explicit decoding= raises
+            logger.info("The checkpoint's default decoding=%r steps aside for this call (it %s) and stock generate "
+                        "runs. Pass decoding=%r explicitly to get the error instead.", decoding, conflict, decoding)
+            return super().generate(*args, **kwargs)
+        _stop_strings_to_criteria(self, kwargs)
         params = inspect.signature(strategy).parameters
         for key, value in defaults.items():
             if key in params:
@@ -125,23 +121,23 @@ class ParallelDecodingMixin:
 BUNDLE_DRAFTER_DIR = "drafter"
 
 
-def _default_cannot_serve(model, kwargs) -> str | None:
-    """Why the checkpoint's default decoding cannot serve a ``generate`` call, or ``None``."""
-    import copy
+def _stop_strings_to_criteria(model, kwargs: dict) -> None:
+    """``stop_strings`` (the call's, or the generation config's) become a ``StopStringCriteria`` in
+    ``stopping_criteria``: transformers needs ``tokenizer=`` to build it and does not hand a
+    ``custom_generate`` callable the tokenizer."""
+    tokenizer = kwargs.pop("tokenizer", None)
+    config = kwargs.get("generation_config") or model.generation_config
+    stop = kwargs["stop_strings"] if "stop_strings" in kwargs else getattr(config, "stop_strings", None)
+    if not stop:
+        return
+    if tokenizer is None:
+        raise ValueError("stop_strings need the tokenizer to match text: pass tokenizer=... to generate().")
+    from transformers import StoppingCriteriaList, StopStringCriteria
 
-    from .decoding.base import generation_config_conflict
-
-    if kwargs.get("assistant_model") is not None or kwargs.get("prompt_lookup_num_tokens"):
-        return "cannot be combined with assisted generation"
-    if kwargs.get("custom_generate") is not None:
-        return "is replaced by the call's own custom_generate"
-    if kwargs.get("synced_gpus"):
-        return "does not support synced_gpus=True"
-    if kwargs.get("inputs_embeds") is not None:
-        return "needs input_ids, not inputs_embeds"
-    config = copy.deepcopy(kwargs.get("generation_config") or model.generation_config)
-    config.update(**{k: v for k, v in kwargs.items() if hasattr(config, k)})
-    return generation_config_conflict(config)
+    criteria = StoppingCriteriaList(kwargs.get("stopping_criteria") or [])
+    criteria.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=stop))
+    kwargs["stopping_criteria"] = criteria
+    kwargs["stop_strings"] = None
 
 
 def _enabled_from_reduce(rebuild, args):

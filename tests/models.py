@@ -31,10 +31,14 @@ ARCHITECTURES = {
     ),
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(n_embd=32, n_layer=2, n_head=4, n_positions=512)),
 }
+#: architectures the strategies refuse (ALiBi: positions come from the 2D mask); built by tiny_model too
+REFUSED_ARCHITECTURES = {
+    "bloom": ("BloomConfig", "BloomForCausalLM", dict(hidden_size=32, n_layer=2, n_head=4)),
+}
 
 
 def tiny_model(arch: str = "llama", attn: str = "sdpa", seed: int = 0, **overrides):
-    config_name, model_name, kwargs = ARCHITECTURES[arch]
+    config_name, model_name, kwargs = {**ARCHITECTURES, **REFUSED_ARCHITECTURES}[arch]
     config = getattr(transformers, config_name)(**{**_COMMON, **kwargs, **overrides})
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(config)

@@ -24,13 +24,13 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from .cache import SlotCache, prepare_cache
 from .commit import CommitLog
 from .processors import ONE_CALL_PER_TOKEN_PROCESSORS, process_block
+from .support import generation_config_conflict, model_conflict, model_inputs_conflict
 from .target import TargetForward
 from .tree import PackedTree
 from .verify import Verdict, verify_tree
 
 __all__ = ["DecodeRun", "ParallelDecodingOutput", "Proposer", "decode", "start", "check_int_setting"]
 
-SUPPORTED_ATTENTION = ("sdpa", "eager")
 
 
 @dataclass
@@ -87,47 +87,11 @@ def checks_settings(check):
     return attach
 
 
-def generation_config_conflict(generation_config) -> str | None:
-    """Why a parallel decoding cannot serve a call with this (resolved) generation config, or ``None``."""
-    gc = generation_config
-    if gc.num_beams is not None and gc.num_beams > 1:
-        return "does not combine with beam search: set num_beams=1."
-    if gc.num_return_sequences not in (None, 1):
-        return "supports num_return_sequences=1 only."
-    if gc.use_cache is False:
-        return "needs the KV cache: do not pass use_cache=False."
-    if gc.output_attentions or gc.output_hidden_states:
-        return ("cannot return per-step attentions or hidden states: set output_attentions=False and "
-                "output_hidden_states=False.")
-    return None
-
-
-#: what ``generate`` hands every callable and :func:`start` consumes
-_HANDLED_INPUTS = frozenset({"attention_mask", "position_ids", "past_key_values", "use_cache", "logits_to_keep",
-                             "cache_position", "inputs_embeds", "output_attentions", "output_hidden_states",
-                             "return_dict"})  # the output flags are checked with the generation config
-#: model inputs fed at every step exactly as stock generation extends them
-STEP_INPUTS = ("token_type_ids",)
-
-
-def _check_model_inputs(name: str, model_kwargs: dict) -> None:
-    refused = sorted(k for k, v in model_kwargs.items()
-                     if v is not None and k not in _HANDLED_INPUTS and k not in STEP_INPUTS)
-    if refused:
-        raise ValueError(
-            f"decoding={name!r} cannot feed the model input(s) {refused} at every step (it feeds input_ids, "
-            f"attention_mask, position_ids and {', '.join(STEP_INPUTS)}); they would be silently ignored. "
-            'Use decoding="stock" for this call.'
-        )
-
-
 def _validate(model, name, input_ids, generation_config, logits_processor, model_kwargs):
-    _check_model_inputs(name, model_kwargs)
-    if getattr(model.config, "is_encoder_decoder", False):
-        raise ValueError(f"decoding={name!r} supports decoder-only causal LMs; this model is encoder-decoder.")
-    conflict = generation_config_conflict(generation_config)
-    if conflict is not None:
-        raise ValueError(f"decoding={name!r} {conflict}")
+    for reason in (model_conflict(model), model_inputs_conflict(model_kwargs),
+                   generation_config_conflict(generation_config)):
+        if reason is not None:
+            raise ValueError(f"decoding={name!r} {reason}")
     if model_kwargs.get("inputs_embeds") is not None:
         raise ValueError(f"decoding={name!r} needs input_ids; inputs_embeds are not supported.")
     if input_ids.shape[1] == 0:
@@ -140,13 +104,6 @@ def _validate(model, name, input_ids, generation_config, logits_processor, model
                 f"decoding={name!r} cannot give it when it scores a whole block per forward. Drop that "
                 'setting, or use decoding="stock".'
             )
-    attn = getattr(model.config, "_attn_implementation", None) or "eager"
-    if attn not in SUPPORTED_ATTENTION:
-        raise ValueError(
-            f"decoding={name!r} builds custom 4D attention masks, which attn_implementation={attn!r} does not "
-            f"honour. Load the model with attn_implementation='sdpa' (or 'eager'), or call "
-            f"model.set_attn_implementation('sdpa')."
-        )
 
 
 class DecodeRun:

@@ -1,0 +1,120 @@
+"""Issue classes: what ``generate`` does not hand a custom decoding, generation modes, models that cannot
+take a custom 4D mask / explicit positions, and checkpoint defaults stepping aside for all of them.
+
+The full audit of every ``generate`` argument and generation-config field is in docs/generate-arguments.md.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import transformers
+from models import BOS, EOS, PAD, enabled, prompts, tiny_model
+
+import hf_paralleldecode as hfpd
+from hf_paralleldecode.loading import default_model_path, load_tokenizer
+
+STRATEGIES = {"jacobi": dict(block_size=4), "jacobi_forcing": dict(block_size=4), "lookahead": dict()}
+
+
+@pytest.mark.parametrize("decoding", list(STRATEGIES))
+@pytest.mark.parametrize("source", ["kwarg", "generation_config"])
+def test_stop_strings_with_tokenizer_stop_like_stock(decoding, source):
+    model = enabled("llama")
+    tok = load_tokenizer(default_model_path())  # byte-level BPE: stop strings match inside tokens too
+    ids, mask = prompts(3)
+    free = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False, eos_token_id=None,
+                          decoding="stock")
+    stop = tok.decode(free[0, ids.shape[1] + 4 : ids.shape[1] + 6])  # two words row 0 really produces
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False, tokenizer=tok)
+    if source == "kwarg":
+        kwargs["stop_strings"] = [stop]
+    else:
+        kwargs["generation_config"] = transformers.GenerationConfig(stop_strings=[stop], pad_token_id=PAD,
+                                                                    eos_token_id=EOS, bos_token_id=BOS)
+    ref = model.generate(**kwargs, decoding="stock")
+    assert ref.shape[1] < ids.shape[1] + 20 or (ref[0] == PAD).any()  # the stop string really stopped row 0
+    assert torch.equal(model.generate(**kwargs, decoding=decoding, **STRATEGIES[decoding]), ref)
+
+
+def test_stop_strings_without_tokenizer_is_a_clear_error():
+    with pytest.raises(ValueError, match="tokenizer"):
+        enabled("llama").generate(input_ids=torch.tensor([[5, 6]]), max_new_tokens=4, stop_strings=["t7"],
+                                  decoding="jacobi")
+
+
+REFUSED_CALLS = {
+    "dola": (dict(dola_layers="high"), "dola"),
+    "constrained": (dict(force_words_ids=[[7]]), "constrained"),
+    "contrastive": (dict(penalty_alpha=0.6, top_k=4), "contrastive"),
+    "assistant_early_exit": (dict(assistant_early_exit=1), "assisted"),
+    "paged_cache": (dict(cache_implementation="paged"), "paged"),
+    "static_cache": (dict(cache_implementation="static"), "static"),
+    "prefill_chunks": (dict(prefill_chunk_size=2), "prefill_chunk_size"),
+    "token_healing": (dict(token_healing=True), "token_healing"),
+    "guidance": (dict(guidance_scale=1.5), "guidance"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED_CALLS))
+def test_calls_a_strategy_cannot_serve_are_refused_before_any_forward(case):
+    model = enabled("llama")
+    call, match = REFUSED_CALLS[case]
+    calls = []
+    hook = model.register_forward_pre_hook(lambda *a: calls.append(1))
+    try:
+        with pytest.raises(ValueError, match=match):
+            model.generate(input_ids=torch.tensor([[5, 6, 7]]), max_new_tokens=4, decoding="jacobi", **call)
+    finally:
+        hook.remove()
+    assert not calls
+
+
+@pytest.mark.parametrize("case", [*REFUSED_CALLS, "stop_strings", "alibi_model"])
+def test_checkpoint_defaults_step_aside_where_stock_serves_the_call(case, caplog, monkeypatch):
+    model = hfpd.enable(tiny_model("bloom") if case == "alibi_model" else tiny_model("llama"))
+    model.parallel_decoding_config = hfpd.ParallelDecodingConfig("jacobi", {"block_size": 4})
+    call = {"stop_strings": ["e"], "tokenizer": load_tokenizer(default_model_path())} if case == "stop_strings" else \
+        {} if case == "alibi_model" else REFUSED_CALLS[case][0]
+    ids = torch.tensor([[5, 6, 7]])
+    # what reaches transformers' generate: the default's custom_generate, or nothing (stepped aside)
+    seen = []
+    stock_generate = transformers.GenerationMixin.generate
+
+    def spy(self, *args, **kwargs):
+        seen.append(kwargs.get("custom_generate"))
+        if case in ("dola", "constrained", "contrastive", "paged_cache", "token_healing", "assistant_early_exit"):
+            return "stock"  # stock itself needs Hub code / tokenizer files / a GPU for these on this tiny model
+        return stock_generate(self, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.GenerationMixin, "generate", spy)
+    with caplog.at_level(logging.INFO, logger="hf_paralleldecode"):
+        out = model.generate(input_ids=ids, max_new_tokens=5, **call)
+    if case == "stop_strings":  # served by the parallel decoding itself
+        assert seen == [hfpd.jacobi]
+    else:
+        assert seen == [None] and "steps aside" in caplog.text
+    if isinstance(out, torch.Tensor):
+        monkeypatch.setattr(transformers.GenerationMixin, "generate", stock_generate)
+        assert torch.equal(out, model.generate(input_ids=ids, max_new_tokens=5, decoding="stock", **call))
+
+
+def test_models_without_explicit_positions_are_refused_up_front():
+    """ALiBi models (Bloom) compute positions from the 2D mask: no custom 4D mask / position ids."""
+    model = hfpd.enable(tiny_model("bloom"))
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with pytest.raises(ValueError, match=r'BloomForCausalLM.*decoding="stock"'):
+        model.generate(input_ids=ids, max_new_tokens=4, decoding="jacobi")
+    assert model.generate(input_ids=ids, max_new_tokens=4, decoding="stock").shape == (1, 8)
+
+
+def test_synced_gpus_is_refused_when_transformers_would_turn_it_on(monkeypatch):
+    import transformers.generation.utils as gen_utils
+
+    model = enabled("llama")
+    monkeypatch.setattr(gen_utils, "is_deepspeed_zero3_enabled", lambda: True, raising=False)
+    monkeypatch.setattr(gen_utils, "_get_torch_distributed_world_size", lambda: 2)
+    with pytest.raises(ValueError, match="ZeRO-3|FSDP"):
+        model.generate(input_ids=torch.tensor([[5, 6, 7]]), max_new_tokens=4, decoding="jacobi")
