@@ -118,3 +118,27 @@ def test_synced_gpus_is_refused_when_transformers_would_turn_it_on(monkeypatch):
     monkeypatch.setattr(gen_utils, "_get_torch_distributed_world_size", lambda: 2)
     with pytest.raises(ValueError, match="ZeRO-3|FSDP"):
         model.generate(input_ids=torch.tensor([[5, 6, 7]]), max_new_tokens=4, decoding="jacobi")
+
+
+@pytest.mark.parametrize("decoding", [*STRATEGIES, "speculative"])
+def test_prefix_allowed_tokens_fn_only_ever_sees_its_own_rows_prefixes(decoding):
+    """Placeholder rows of a processor call carry their own row's prefix, never another row's."""
+    model = enabled("llama")
+    ids, mask = prompts(3)
+    owners = {tuple(ids[b][mask[b].bool()].tolist()): b for b in range(3)}
+
+    def allowed(batch_id, sent):  # a per-row constraint that refuses a prefix of another row
+        real = sent[sent != PAD].tolist() if (sent != PAD).any() else []
+        for prompt, row in owners.items():
+            if tuple(real[: len(prompt)]) == prompt and row != batch_id:
+                return []  # transformers raises on an empty list
+        return list(range(10 + 20 * batch_id, 30 + 20 * batch_id))
+
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False, eos_token_id=None,
+                  prefix_allowed_tokens_fn=allowed)
+    ref = model.generate(**kwargs, decoding="stock")
+    settings = dict(STRATEGIES.get(decoding, {}))
+    if decoding == "speculative":
+        torch.manual_seed(0)
+        settings = dict(drafter=hfpd.DraftHead.for_target(model, num_hidden_layers=1, block_size=3), tree_budget=5)
+    assert torch.equal(model.generate(**kwargs, decoding=decoding, **settings), ref)

@@ -136,7 +136,17 @@ class DecodeRun:
         """Processed scores ``[active, nodes, vocab]`` (see ``processors.process_block``)."""
         if not self.logits_processor:
             return logits
-        return process_block(self.logits_processor, logits, tree, self.histories(), self.rows, self.prompt.shape[0])
+        return process_block(self.logits_processor, logits, tree, self.histories(), self.rows, self.prompt.shape[0],
+                             self.placeholder_prefix)
+
+    def placeholder_prefix(self, row: int, length: int) -> torch.Tensor:
+        """Row ``row``'s own ids at ``length``, as stock would hold them: its history cut to ``length``,
+        or left-padded when the row has not got that far (placeholder rows of a processor call)."""
+        history = self.history(row)
+        if history.shape[0] >= length:
+            return history[:length]
+        pad = self.log.pad_token_id if self.log.pad_token_id is not None else 0
+        return torch.cat([history.new_full((length - history.shape[0],), pad), history])
 
     def step(self, tree: PackedTree) -> Verdict:
         """Feed ``tree`` in one target forward, verify it, commit the accepted tokens + one, emit.

@@ -157,7 +157,8 @@ class DraftHeadProposer(Proposer):
         """Processed ``q`` and the children lists (try order) for ``n`` nodes: ``logits [n, V]``."""
         run = self.run
         # prefixes is None only for processors that ignore them (process_prefixes then never reads them)
-        scores = process_prefixes(run.logits_processor, logits, prefixes or [], rows, run.prompt.shape[0])
+        scores = process_prefixes(run.logits_processor, logits, prefixes or [], rows, run.prompt.shape[0],
+                                  run.placeholder_prefix)
         logq = torch.log_softmax(scores, dim=-1)
         keys = logq
         if self.sample:
