@@ -55,6 +55,7 @@ REFUSED_CALLS = {
     "prefill_chunks": (dict(prefill_chunk_size=2), "prefill_chunk_size"),
     "token_healing": (dict(token_healing=True), "token_healing"),
     "guidance": (dict(guidance_scale=1.5), "guidance"),
+    "offloaded_cache": (dict(past_key_values=transformers.DynamicCache(offloading=True)), "offloaded"),
 }
 
 
@@ -85,7 +86,8 @@ def test_checkpoint_defaults_step_aside_where_stock_serves_the_call(case, caplog
 
     def spy(self, *args, **kwargs):
         seen.append(kwargs.get("custom_generate"))
-        if case in ("dola", "constrained", "contrastive", "paged_cache", "token_healing", "assistant_early_exit"):
+        if case in ("dola", "constrained", "contrastive", "paged_cache", "token_healing", "assistant_early_exit",
+                    "offloaded_cache"):
             return "stock"  # stock itself needs Hub code / tokenizer files / a GPU for these on this tiny model
         return stock_generate(self, *args, **kwargs)
 

@@ -58,6 +58,12 @@ def prepare_cache(model, past_key_values, max_length: int) -> DynamicCache:
             "be cut back or gathered). Remove `cache_implementation` / `past_key_values` to use the default "
             "DynamicCache."
         )
+    if getattr(past_key_values, "offloading", False):
+        raise ValueError(
+            "An offloaded DynamicCache (cache_implementation='offloaded') is not supported by parallel decoding "
+            "strategies: they cut back and gather the KV between forwards, which offloading copies asynchronously. "
+            "Remove cache_implementation to use the default DynamicCache."
+        )
     if all(type(layer) is DynamicLayer for layer in past_key_values.layers):
         return past_key_values
     window = getattr(model.config, "sliding_window", None)

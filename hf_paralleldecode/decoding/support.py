@@ -138,6 +138,13 @@ def call_conflict(model, strategy, kwargs: dict) -> str | None:
         return "cannot be combined with custom_generate: pass one of them."
     if kwargs.get("inputs_embeds") is not None:
         return "needs input_ids; inputs_embeds are not supported."
+    if kwargs.get("past_key_values") is not None:
+        from .cache import prepare_cache
+
+        try:  # a filled, static or offloaded cache (max_length 0: the sliding-window rule is checked later)
+            prepare_cache(model, kwargs["past_key_values"], 0)
+        except ValueError as err:
+            return f"cannot use this past_key_values: {err}"
     gc = copy.deepcopy(kwargs.get("generation_config") or model.generation_config)
     gc.update(**{k: v for k, v in kwargs.items() if hasattr(gc, k)})
     reason = generation_config_conflict(gc)
