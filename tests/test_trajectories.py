@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -126,3 +127,36 @@ def test_collect_runs_data_parallel_under_accelerate_launch(tmp_path):
     ds = load_trajectories(out, drop_degenerate=False)
     assert sorted(ds["prompt_id"]) == list(range(10))
     assert {int(p.stem.split("-")[1]) % 2 for p in out.glob("shard-*.parquet")} == {0, 1}
+
+
+@pytest.mark.parametrize("what", ["collect", "regenerate"])
+def test_a_checkpoints_generation_config_does_not_leak_into_the_data(what, tmp_path):
+    """Qwen2.5 ships repetition_penalty=1.05 and do_sample=True: the data must still be plain greedy."""
+    from transformers import GenerationConfig
+
+    from hf_paralleldecode.training.regenerate import regenerate
+
+    model = tiny_model("llama")
+    tok = word_tokenizer()
+    prompts = [f"t{5 + i} t{6 + i} t{7 + i} t{5 + i}" for i in range(4)]
+    plain = GenerationConfig(eos_token_id=model.generation_config.eos_token_id,
+                             pad_token_id=model.generation_config.pad_token_id, do_sample=False)
+    refs = []
+    for p in prompts:
+        ids = tok(p, return_tensors="pt")["input_ids"]
+        refs.append(model.generate(input_ids=ids, max_new_tokens=12, generation_config=plain)[0, ids.shape[1]:].tolist())
+    model.generation_config.repetition_penalty = 3.0
+    model.generation_config.no_repeat_ngram_size = 2
+    model.generation_config.do_sample = True
+    model.generation_config.temperature = 0.7
+    if what == "collect":
+        ds = collect_trajectories(model, tok, prompts, tmp_path, block_size=4, max_new_tokens=12, progress=False)
+    else:
+        ds = regenerate(model, tok, prompts, tmp_path, max_new_tokens=12, progress=False)
+    eos = model.generation_config.eos_token_id
+    for row, ref in zip(ds, refs):
+        ref = ref[: ref.index(eos) + 1] if eos in ref else ref
+        assert row["response_ids"] == ref
+    cfg = json.loads((tmp_path / "collection_config.json").read_text())
+    assert cfg["ignored_generation_config"] == {"do_sample": True, "no_repeat_ngram_size": 2, "repetition_penalty": 3.0,
+                                                "temperature": 0.7}

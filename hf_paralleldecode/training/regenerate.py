@@ -27,7 +27,15 @@ import os
 
 import torch
 
-from .trajectories import check_ints, load_shards, read_prompts, run_sharded, split_responses
+from .trajectories import (
+    check_ints,
+    load_shards,
+    plain_generation,
+    plain_generation_config,
+    read_prompts,
+    run_sharded,
+    split_responses,
+)
 
 __all__ = ["regenerate", "load_regenerated"]
 
@@ -65,7 +73,8 @@ def regenerate(
             raise ValueError("response_column needs a dataset or a file with that column, not a list of prompts.")
         responses = read_prompts(prompts, response_column)
     sampling = {k: v for k, v in dict(temperature=temperature, top_p=top_p, top_k=top_k).items() if v is not None}
-    config = dict(kind="regenerated", max_new_tokens=max_new_tokens, do_sample=do_sample, seed=seed,
+    generation, ignored = plain_generation_config(model, do_sample=do_sample, **sampling)
+    config = dict(kind="regenerated", ignored_generation_config=ignored, max_new_tokens=max_new_tokens, do_sample=do_sample, seed=seed,
                   num_prompts=len(texts), model=getattr(model.config, "_name_or_path", "") or type(model).__name__,
                   response_source=f"text:{response_column}" if response_column else "model", **sampling)
 
@@ -81,8 +90,8 @@ def regenerate(
     def make_rows(ids):
         enc = tokenizer([texts[i] for i in ids], return_tensors="pt", padding=True).to(model.device)
         torch.manual_seed(seed + ids[0])
-        with torch.no_grad():
-            seqs = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=do_sample, **sampling)
+        with torch.no_grad(), plain_generation(model, generation):
+            seqs = model.generate(**enc, max_new_tokens=max_new_tokens)
         return [dict(prompt_id=pid, prompt=texts[pid], prompt_ids=prompt_ids, response_ids=response,
                      input_ids=prompt_ids + response)
                 for pid, (prompt_ids, response) in zip(ids, split_responses(model, enc, seqs))]

@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -147,11 +148,14 @@ def collect_trajectories(
     ``accelerate launch``: see :func:`run_sharded`); return the dataset."""
     check_ints(block_size=(block_size, 2), max_new_tokens=(max_new_tokens, 1), batch_size=(batch_size, 1))
     texts = read_prompts(prompts, prompt_column)
+    generation, ignored = plain_generation_config(model, do_sample=False)
     config = dict(block_size=block_size, max_new_tokens=max_new_tokens, seed=seed, num_prompts=len(texts),
-                  model=getattr(model.config, "_name_or_path", "") or type(model).__name__)
+                  model=getattr(model.config, "_name_or_path", "") or type(model).__name__,
+                  ignored_generation_config=ignored)
     out = run_sharded(
         texts, output_dir, config, batch_size, progress, "trajectories",
-        lambda ids: _collect_chunk(model, tokenizer, texts, ids, block_size, max_new_tokens, max_repeat, seed),
+        lambda ids: _collect_chunk(model, tokenizer, texts, ids, block_size, max_new_tokens, max_repeat, seed,
+                                   generation),
         tokenizer,
     )
     return load_trajectories(out, drop_degenerate=False)
@@ -165,6 +169,44 @@ def tokenizer_fingerprint(tokenizer) -> str:
     vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
     special = sorted((k, str(v)) for k, v in tokenizer.special_tokens_map.items())
     return hashlib.sha256(json.dumps([vocab, special], ensure_ascii=False).encode()).hexdigest()[:16]
+
+
+#: generation-config fields that do not change which tokens are generated
+_SPECIAL = {"eos_token_id", "pad_token_id", "bos_token_id", "decoder_start_token_id", "transformers_version",
+            "_from_model_config", "max_length", "max_new_tokens", "use_cache", "output_attentions",
+            "output_hidden_states", "output_scores", "output_logits", "return_dict_in_generate"}
+
+
+def plain_generation_config(model, **settings):
+    """``(config, ignored)``: a generation config with only the model's special tokens plus ``settings``,
+    and the checkpoint's other generation settings it leaves out.
+
+    Training data must come from the decoding the trainers assume (plain greedy for trajectories;
+    the requested sampling for regenerated text), not from whatever a checkpoint ships in its
+    ``generation_config.json`` (Qwen2.5: ``repetition_penalty=1.05``, ``do_sample=True``). What was
+    left out is recorded in ``collection_config.json`` as ``ignored_generation_config``. Use it
+    through :func:`plain_generation` (transformers fills a passed config's unset fields from the
+    model's own, so passing it is not enough).
+    """
+    from transformers import GenerationConfig
+
+    own = model.generation_config
+    eos = own.eos_token_id
+    pad = own.pad_token_id if own.pad_token_id is not None else (eos[0] if isinstance(eos, list) else eos)
+    config = GenerationConfig(eos_token_id=eos, pad_token_id=pad, bos_token_id=own.bos_token_id, **settings)
+    ignored = {k: v for k, v in sorted(own.to_diff_dict().items()) if k not in _SPECIAL and not k.startswith("_")}
+    return config, ignored
+
+
+@contextmanager
+def plain_generation(model, config):
+    """Within the block, ``model.generation_config`` is ``config`` (restored after, also on errors)."""
+    own = model.generation_config
+    model.generation_config = config
+    try:
+        yield model
+    finally:
+        model.generation_config = own
 
 
 def check_ints(**settings) -> None:
@@ -255,11 +297,12 @@ def _read_ids(shard: Path) -> list[int]:
     return pq.read_table(shard, columns=["prompt_id"]).column("prompt_id").to_pylist()
 
 
-def _collect_chunk(model, tokenizer, texts, ids, block_size, max_new_tokens, max_repeat, seed):
+def _collect_chunk(model, tokenizer, texts, ids, block_size, max_new_tokens, max_repeat, seed, generation):
     enc = tokenizer([texts[i] for i in ids], return_tensors="pt", padding=True).to(model.device)
     sink: dict[int, list] = {b: [] for b in range(len(ids))}
-    with torch.no_grad():  # one token more: the last block is iterated at full width and completed by its bonus
-        seqs = model.generate(**enc, max_new_tokens=max_new_tokens + 1, do_sample=False,
+    # one token more: the last block is iterated at full width and completed by its bonus
+    with torch.no_grad(), plain_generation(model, generation):
+        seqs = model.generate(**enc, max_new_tokens=max_new_tokens + 1,
                               custom_generate=_jacobi_recording(sink, block_size, seed))
     seqs = seqs[:, : enc["input_ids"].shape[1] + max_new_tokens]
     rows = []
