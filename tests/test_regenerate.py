@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from models import launch_two_processes, saved_model_and_prompts, tiny_model, word_tokenizer
@@ -117,3 +119,17 @@ def test_data_from_another_tokenizer_or_empty_shards_is_refused(tmp_path):
     (empty / "shard-00000000.parquet").write_bytes(b"not parquet")
     with pytest.raises(ValueError, match="Could not read"):
         load_trajectories(empty)
+
+
+def test_resume_matches_prompts_by_content_and_appending_extends_the_collection(tmp_path):
+    model, tok = tiny_model("llama"), word_tokenizer()
+    kw = dict(max_new_tokens=6, batch_size=4, progress=False)
+    first = regenerate(model, tok, PROMPTS[:8], tmp_path, **kw)
+    shards = sorted(tmp_path.glob("shard-*.parquet"))
+    grown = regenerate(model, tok, PROMPTS, tmp_path, **kw)  # 4 prompts appended: only they are generated
+    assert grown["prompt_id"] == list(range(12)) and grown["response_ids"][:8] == first["response_ids"]
+    assert set(shards) < set(tmp_path.glob("shard-*.parquet"))
+    assert json.loads((tmp_path / "collection_config.json").read_text())["num_prompts"] == 12
+    for changed in (PROMPTS[::-1], [*PROMPTS[:3], "t9 t9", *PROMPTS[4:]], PROMPTS[:5]):  # reordered, edited, shortened
+        with pytest.raises(ValueError, match=r"prompt_id .*reordered, edited or shortened"):
+            regenerate(model, tok, changed, tmp_path, **kw)

@@ -244,7 +244,8 @@ def run_sharded(texts, output_dir, config: dict, batch_size: int, progress: bool
     after a SIGKILL). Under ``accelerate launch`` each process takes the prompts with
     ``prompt_id % world_size == rank``; shards are named by their first prompt id, so processes
     never write the same file, and a killed multi-process run resumes exactly. A restart with other
-    settings (``config``) is refused.
+    settings (``config``) is refused. Rows are matched to prompts by content: prompts appended to the
+    file are collected on a rerun; a reordered, edited or shortened file is refused.
     """
     from tqdm.auto import tqdm
 
@@ -253,20 +254,33 @@ def run_sharded(texts, output_dir, config: dict, batch_size: int, progress: bool
     rank, world = process_share()
     config = {**config, "tokenizer": tokenizer_fingerprint(tokenizer), "vocab_size": len(tokenizer)}
     config_path = out / CONFIG_FILE
+    # the number of prompts may grow (appending to a collection); every other setting must match
+    config = {**config, "num_prompts": len(texts)}
     if config_path.exists():
         previous = json.loads(config_path.read_text())
-        diff = {k: (previous.get(k), v) for k, v in config.items() if previous.get(k) != v}
+        diff = {k: (previous.get(k), v) for k, v in config.items() if previous.get(k) != v and k != "num_prompts"}
         if diff:
             raise ValueError(f"{out} holds a collection with other settings {diff} (old, new); use a new output_dir.")
-    else:  # every process may get here first: write the same content atomically
+    if not config_path.exists() or json.loads(config_path.read_text()).get("num_prompts") != len(texts):
+        # every process may get here: each writes the same content atomically
         tmp = config_path.with_name(f"{CONFIG_FILE}.{rank}.tmp")
         tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         os.replace(tmp, config_path)
     for tmp in out.glob(f"*.{rank}.tmp"):
         tmp.unlink()  # this process's leftovers of a killed run
-    done = set()
+    done = {}
     for shard in sorted(out.glob("shard-*.parquet")):
-        done.update(_read_ids(shard))
+        done.update(_read_prompts(shard))
+    # rows are matched to the prompts by content: a reordered or edited prompts file is refused, not
+    # silently "resumed" with rows that belong to other prompts
+    stale = sorted(i for i, text in done.items() if i >= len(texts) or texts[i] != text)
+    if stale:
+        shown = ", ".join(map(str, stale[:5])) + (" ..." if len(stale) > 5 else "")
+        raise ValueError(
+            f"{out} holds rows for {len(stale)} prompt(s) that are not the same prompts at the same positions of "
+            f"this prompts file (prompt_id {shown}): the file was reordered, edited or shortened. Use a new "
+            "output_dir, or restore the file (appending new prompts at its end is fine)."
+        )
     mine = [i for i in range(len(texts)) if i % world == rank]
     todo = [i for i in mine if i not in done]
     tokenizer.padding_side = "left"
@@ -291,10 +305,12 @@ def _write_shard(rows: list[dict], out: Path, first_id: int, rank: int) -> None:
     os.replace(tmp, final)
 
 
-def _read_ids(shard: Path) -> list[int]:
+def _read_prompts(shard: Path) -> dict[int, str]:
+    """``{prompt_id: prompt}`` of a shard."""
     import pyarrow.parquet as pq
 
-    return pq.read_table(shard, columns=["prompt_id"]).column("prompt_id").to_pylist()
+    table = pq.read_table(shard, columns=["prompt_id", "prompt"])
+    return dict(zip(table.column("prompt_id").to_pylist(), table.column("prompt").to_pylist()))
 
 
 def _collect_chunk(model, tokenizer, texts, ids, block_size, max_new_tokens, max_repeat, seed, generation):
