@@ -23,6 +23,7 @@ What it deliberately does not do
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import statistics
@@ -126,21 +127,11 @@ def parse_strategy(text: str) -> StrategySpec:
     return StrategySpec(name, settings)
 
 
-def load_prompts(path: str | Path) -> list[str]:
-    """Prompts from a ``.jsonl`` file (``{"prompt": ...}`` per line), ``.json`` list or ``.txt`` (blank-line separated)."""
-    path = Path(path)
-    text = path.read_text()
-    if path.suffix == ".jsonl":
-        prompts = [json.loads(line)["prompt"] for line in text.splitlines() if line.strip()]
-    elif path.suffix == ".json":
-        data = json.loads(text)
-        prompts = [p["prompt"] if isinstance(p, dict) else p for p in data]
-    else:
-        prompts = [p for p in text.split("\n\n") if p.strip()]
-    if not prompts:
-        raise ValueError(f"No prompts in {path}.")
-    return prompts
+def load_prompts(path: str | Path, column: str = "prompt") -> list[str]:
+    """The prompts of a file: see :func:`hf_paralleldecode.prompts.read_prompts` (one reader for every command)."""
+    from .prompts import read_prompts
 
+    return read_prompts(path, column)
 
 def random_model(name: str, vocab_size: int, seed: int = 0):
     """Randomly initialised timing models: ``random-100m`` (Qwen2, ~120M parameters) or ``random-tiny``."""
@@ -243,6 +234,7 @@ def _one_run(model, enc, spec: StrategySpec | None, max_new_tokens: int, timer: 
     prompt_len = enc["input_ids"].shape[1]
     pad = model.generation_config.pad_token_id
     eos = model.generation_config.eos_token_id
+    resolved = {}
     timer.reset()
     sync()
     t0 = time.perf_counter()
@@ -258,7 +250,14 @@ def _one_run(model, enc, spec: StrategySpec | None, max_new_tokens: int, timer: 
         gen = torch.stack([torch.cat([r, r.new_full((width - len(r),), fill)]) for r in rows])
         row_forwards = timer.count
     else:
-        out = model.generate(**enc, **kwargs)
+        ours = kwargs["decoding"] != STOCK
+        out = model.generate(**enc, **kwargs, **({"return_dict_in_generate": True} if ours else {}))
+        if ours:  # the settings the strategy resolved (device presets, defaults), as its stats report them
+            from .registry import get_decoding
+
+            params = inspect.signature(get_decoding(kwargs["decoding"])).parameters
+            resolved = {k: v for k, v in out.stats.items() if k in params and isinstance(v, (bool, int, float, str))}
+            out = out.sequences
         gen = out[:, prompt_len:]
         row_forwards = gen.shape[0] * timer.count
     sync()
@@ -273,6 +272,7 @@ def _one_run(model, enc, spec: StrategySpec | None, max_new_tokens: int, timer: 
         row_forwards=row_forwards,
         forward_seconds=timer.seconds,
         generated=gen.cpu(),
+        resolved=resolved,
     )
 
 
@@ -318,6 +318,7 @@ def run_benchmark(
     # per label, per repeat: summed totals; per label: exact matches vs AR
     totals = {lab: [] for lab in labels}
     matches = {lab: [0, 0] for lab in labels}
+    resolved = {lab: {} for lab in labels}
     try:
         for enc in encoded:  # warm-up, untimed
             for spec in entries:
@@ -337,6 +338,7 @@ def run_benchmark(
                     a["decode_tokens"] += res["tokens"] - rows
                     a["rows"] += rows
                     a["row_forwards"] += res["row_forwards"]
+                    resolved[lab] = res["resolved"] or resolved[lab]
                     if spec is None:
                         ar_generated = res["generated"]
                     else:
@@ -371,6 +373,7 @@ def run_benchmark(
             settings={k: v if isinstance(v, (bool, int, float, str, type(None))) else type(v).__name__
                       for k, v in (spec.settings if spec else {}).items()},
             sequential_rows=_row_by_row(spec, batch_size),
+            resolved_settings=resolved[lab],
             tpf=med(r["tokens"] / max(r["row_forwards"], 1) for r in runs),
             tokens_per_second=med(r["tokens"] / r["seconds"] for r in runs),
             decode_tokens_per_second=med(r["decode_tokens"] / r["decode_seconds"] for r in runs),
@@ -389,14 +392,17 @@ def run_benchmark(
     if output_dir is not None:
         out = Path(output_dir)
         out.mkdir(parents=True, exist_ok=True)
+        written = [out / "bench.json"]
+        if plot_report(report, out / "bench.png"):
+            written.append(out / "bench.png")
+        if scaling_series(report, "tree_budget") and plot_scaling(report, "tree_budget", out / "tree_budget.png"):
+            written.append(out / "tree_budget.png")
+        report["files"] = [str(f) for f in written]
         (out / "bench.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
-        plot_report(report, out / "bench.png")
-        if scaling_series(report, "tree_budget"):
-            plot_scaling(report, "tree_budget", out / "tree_budget.png")
     return report
 
 
-def plot_report(report: dict, path: str | Path) -> None:
+def plot_report(report: dict, path: str | Path) -> bool:
     """Bar charts of tokens/s, TPF and loop overhead per strategy (needs matplotlib: ``[bench]`` extra)."""
     try:
         import matplotlib
@@ -405,7 +411,7 @@ def plot_report(report: dict, path: str | Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:  # pragma: no cover - optional dependency
         logger.warning("matplotlib is not installed (pip install 'hf_paralleldecode[bench]'); no chart written.")
-        return
+        return False
     labels = list(report["results"])
     res = report["results"]
     fig, axes = plt.subplots(1, 3, figsize=(4 + 2.2 * len(labels), 4))
@@ -427,6 +433,7 @@ def plot_report(report: dict, path: str | Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return True
 
 
 def scaling_series(report: dict, key: str) -> dict[str, list[tuple]]:
@@ -443,7 +450,7 @@ def scaling_series(report: dict, key: str) -> dict[str, list[tuple]]:
     return {name: sorted(pts, key=lambda p: p[0]) for name, pts in groups.items() if len(pts) > 1}
 
 
-def plot_scaling(report: dict, key: str, path: str | Path) -> None:
+def plot_scaling(report: dict, key: str, path: str | Path) -> bool:
     """TPF (tau) and tokens/s against setting ``key`` per group, other entries as horizontal lines
     (JetSpec Figure 4 on this machine: does tau keep rising with the tree budget?)."""
     try:
@@ -453,7 +460,7 @@ def plot_scaling(report: dict, key: str, path: str | Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:  # pragma: no cover - optional dependency
         logger.warning("matplotlib is not installed; no scaling chart written.")
-        return
+        return False
     series = scaling_series(report, key)
     flat = [(lab, r) for lab, r in report["results"].items() if key not in r.get("settings", {})]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
@@ -472,14 +479,17 @@ def plot_scaling(report: dict, key: str, path: str | Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return True
 
 
 def format_report(report: dict) -> str:
-    head = f"{'strategy':<34}{'TPF':>6}{'tok/s':>9}{'dec tok/s':>11}{'speedup':>9}{'exact':>7}{'overhead':>10}"
+    """The results as a text table; the first column is as wide as the longest label."""
+    w = max(12, *(len(lab) for lab in report["results"])) + 2
+    head = f"{'strategy':<{w}}{'TPF':>6}{'tok/s':>9}{'dec tok/s':>11}{'speedup':>9}{'exact':>7}{'overhead':>10}"
     lines = [head, "-" * len(head)]
     for lab, r in report["results"].items():
         lines.append(
-            f"{lab:<34}{r['tpf']:>6.2f}{r['tokens_per_second']:>9.1f}{r['decode_tokens_per_second']:>11.1f}"
+            f"{lab:<{w}}{r['tpf']:>6.2f}{r['tokens_per_second']:>9.1f}{r['decode_tokens_per_second']:>11.1f}"
             f"{r['speedup_vs_ar']:>8.2f}x{r['exact_match_vs_ar']:>7.0%}{r['loop_overhead']:>10.1%}"
         )
     return "\n".join(lines)
@@ -493,11 +503,11 @@ def grid_strategies(decoding: str, grid: dict[str, list]) -> list[StrategySpec]:
     return [StrategySpec(decoding, dict(zip(keys, values))) for values in itertools.product(*grid.values())]
 
 
-def plot_sweep(report: dict, decoding: str, grid: dict[str, list], path: str | Path) -> None:
+def plot_sweep(report: dict, decoding: str, grid: dict[str, list], path: str | Path) -> bool:
     """Heatmaps of TPF and tokens/s over a two-setting grid (the seed's Figure 7b on this machine)."""
     if len(grid) != 2:
         logger.warning("sweep chart needs exactly two settings; got %s", list(grid))
-        return
+        return False
     try:
         import matplotlib
 
@@ -505,7 +515,7 @@ def plot_sweep(report: dict, decoding: str, grid: dict[str, list], path: str | P
         import matplotlib.pyplot as plt
     except ImportError:  # pragma: no cover - optional dependency
         logger.warning("matplotlib is not installed; no sweep chart written.")
-        return
+        return False
     (ky, ys), (kx, xs) = grid.items()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for ax, (metric, title) in zip(axes, [("tpf", "TPF"), ("tokens_per_second", "tokens/s (end to end)")]):
@@ -526,3 +536,5 @@ def plot_sweep(report: dict, decoding: str, grid: dict[str, list], path: str | P
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return True
+

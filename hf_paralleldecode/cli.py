@@ -80,7 +80,10 @@ def _add_model_args(p):
     p.add_argument("--model", default="default",
                    help="'default' (embedded demo model), 'default-trained' (the same after consistency training), "
                         "a local checkpoint / Hub id, or random-100m / random-tiny")
-    p.add_argument("--prompts", default=None, help="prompts file (.jsonl with a 'prompt' field, .json or .txt)")
+    p.add_argument("--prompts", default=None,
+                   help="prompts file: .jsonl / .json / .parquet (the --prompt-column field) or .txt (blank-line "
+                        "separated); default: the shipped held-out prompts")
+    p.add_argument("--prompt-column", default="prompt")
     p.add_argument("--num-prompts", type=int, default=None, help="use only the first N prompts")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=1)
@@ -98,7 +101,7 @@ def _prompts(args, default_count):
     from .bench import load_prompts
 
     path = args.prompts or Path(__file__).parent / "assets" / "prompts" / "stdlib_test.jsonl"
-    prompts = load_prompts(path)
+    prompts = load_prompts(path, args.prompt_column)
     n = args.num_prompts or default_count
     return prompts[:n] if n else prompts
 
@@ -108,14 +111,15 @@ def _bench(args) -> int:
     from .bench import format_report, parse_strategy, run_benchmark
 
     strategies = [parse_strategy(s) for s in args.strategies]
+    prompts = _prompts(args, None)  # bad input fails before the model loads
     model, tokenizer, name = _load(args)
     report = run_benchmark(
-        model, tokenizer, _prompts(args, None), strategies, max_new_tokens=args.max_new_tokens,
+        model, tokenizer, prompts, strategies, max_new_tokens=args.max_new_tokens,
         repeats=args.repeats, batch_size=args.batch_size, output_dir=args.output_dir, model_name=name,
     )
     print(format_report(report))
-    if args.output_dir:
-        print(f"\nwrote {args.output_dir}/bench.json and bench.png")
+    if report.get("files"):
+        print("\nwrote " + ", ".join(report["files"]))
     if args.json:
         print(json.dumps(report, indent=2, sort_keys=True))
     return 0
@@ -138,25 +142,29 @@ def _sweep(args) -> int:
     if fixed is not None:
         for spec in specs:
             spec.settings.update(fixed.settings)
+    prompts = _prompts(args, None)
     model, tokenizer, name = _load(args)
-    report = run_benchmark(model, tokenizer, _prompts(args, None), specs, max_new_tokens=args.max_new_tokens,
+    report = run_benchmark(model, tokenizer, prompts, specs, max_new_tokens=args.max_new_tokens,
                            repeats=args.repeats, batch_size=args.batch_size, output_dir=args.output_dir,
                            model_name=name)
     print(format_report(report))
     if args.output_dir:
         out = Path(args.output_dir)
-        if fixed is None:
-            plot_sweep(report, args.decoding, grid, out / "sweep.png")
+        files = list(report.get("files", []))
+        if fixed is None and plot_sweep(report, args.decoding, grid, out / "sweep.png"):
+            files.append(str(out / "sweep.png"))
         (out / "sweep_grid.json").write_text(_json.dumps({"decoding": args.decoding, "grid": grid,
                                                           "fixed": fixed.settings if fixed else {}}, indent=2))
-        print(f"\nwrote {out}/bench.json, bench.png and sweep.png")
+        files.append(str(out / "sweep_grid.json"))
+        print("\nwrote " + ", ".join(files))
     return 0
 
 
 def _add_data_args(p) -> None:
     """What the data commands (``collect``, ``regenerate``) share: model, prompts, output, sizes, device."""
     p.add_argument("--model", default="default", help="'default' (embedded model) or a checkpoint path / id")
-    p.add_argument("--prompts", required=True, help=".json / .jsonl / .parquet file with a prompt column")
+    p.add_argument("--prompts", required=True,
+                   help=".jsonl / .json / .parquet file (the --prompt-column field) or .txt (blank-line separated)")
     p.add_argument("--prompt-column", default="prompt")
     p.add_argument("--output-dir", required=True)
     p.add_argument("--max-new-tokens", type=int, default=256)
@@ -168,8 +176,12 @@ def _add_data_args(p) -> None:
 
 
 def _regenerate(args) -> int:
+    from .prompts import read_prompts
     from .training.regenerate import regenerate
 
+    read_prompts(args.prompts, args.prompt_column)  # bad input fails before the model loads
+    if args.response_column:
+        read_prompts(args.prompts, args.response_column)
     model, tokenizer, _ = _load(args)
     ds = regenerate(model, tokenizer, args.prompts, args.output_dir, max_new_tokens=args.max_new_tokens,
                     batch_size=args.batch_size, prompt_column=args.prompt_column, do_sample=args.do_sample,
@@ -183,10 +195,12 @@ def _regenerate(args) -> int:
 
 def _collect(args) -> int:
 
+    from .prompts import read_prompts
     from .training.trajectories import collect_trajectories
 
+    prompts = read_prompts(args.prompts, args.prompt_column)  # bad input fails before the model loads
     model, tokenizer, _ = _load(args)
-    ds = collect_trajectories(model, tokenizer, args.prompts, args.output_dir, block_size=args.block_size,
+    ds = collect_trajectories(model, tokenizer, prompts, args.output_dir, block_size=args.block_size,
                               max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
                               prompt_column=args.prompt_column, max_repeat=args.max_repeat or None, seed=args.seed)
     blocks = sum(len(t) for t in ds["trajectories"])
@@ -205,29 +219,39 @@ def _demo(args) -> int:
     from .integration import attached_drafter
 
     runnable = [d for d in available_decodings() if d != "speculative" or attached_drafter(model) is not None]
+    trained_config = None
+    if args.model == "default" and not args.base_only:
+        from .config import ParallelDecodingConfig
+        from .loading import default_model_path
+
+        trained_dir = default_model_path("default-trained")
+        if (trained_dir / "model.safetensors").is_file():
+            trained_config = ParallelDecodingConfig.from_pretrained(trained_dir)
+            # the base model runs the trained checkpoint's decoding with the checkpoint's own settings, so the
+            # before -> after comparison below compares one setting, not two under one label
+            demo_settings[trained_config.decoding] = dict(trained_config.settings)
     strategies = [StrategySpec(d, demo_settings.get(d, {})) for d in runnable]
     strategies.append(StrategySpec("prompt_lookup"))  # transformers' own peer, for reference
     print(f"model: {name}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, "
           f"{next(model.parameters()).device}; {len(prompts)} prompts x {args.max_new_tokens} new tokens\n")
     base = _demo_part(args, model, tokenizer, name, prompts, strategies, dict(decoding="jacobi", block_size=16))
     reports = [base]
-    if args.model == "default" and not args.base_only:
-        from .loading import default_model_path
-
-        if (default_model_path("default-trained") / "model.safetensors").is_file():
-            args.model = "default-trained"
-            trained_model, _, trained_name = _load(args)
-            config = trained_model.parallel_decoding_config
-            print(f"\n=== {trained_name}: the same model after consistency training "
-                  f"(docs/training.md); its checkpoint decodes with {config.decoding} {config.settings} ===\n")
-            compared = [StrategySpec("jacobi", demo_settings["jacobi"]), StrategySpec(config.decoding)]
-            trained = _demo_part(args, trained_model, tokenizer, trained_name, prompts, compared, {})
-            reports.append(trained)
-            print("\nbefore -> after training (tokens per forward, speedup over AR):")
-            for label in (spec.label for spec in compared):  # base: its own defaults; trained: its checkpoint's
-                b, a = base["results"][label], trained["results"][label]
-                print(f"  {label:<24} TPF {b['tpf']:.2f} -> {a['tpf']:.2f}   "
-                      f"speedup {b['speedup_vs_ar']:.2f}x -> {a['speedup_vs_ar']:.2f}x")
+    if trained_config is not None:
+        args.model = "default-trained"
+        trained_model, _, trained_name = _load(args)
+        config = trained_model.parallel_decoding_config
+        print(f"\n=== {trained_name}: the same model after consistency training "
+              f"(docs/training.md); its checkpoint decodes with {config.decoding} {config.settings} ===\n")
+        compared = [StrategySpec("jacobi", demo_settings["jacobi"]),
+                    StrategySpec(config.decoding, demo_settings[config.decoding])]
+        trained = _demo_part(args, trained_model, tokenizer, trained_name, prompts, compared, {})
+        reports.append(trained)
+        print("\nbefore -> after training, same settings on both sides (tokens per forward, speedup over AR):")
+        width = max(len(spec.label) for spec in compared) + 2
+        for label in (spec.label for spec in compared):
+            b, a = base["results"][label], trained["results"][label]
+            print(f"  {label:<{width}} TPF {b['tpf']:.2f} -> {a['tpf']:.2f}   "
+                  f"speedup {b['speedup_vs_ar']:.2f}x -> {a['speedup_vs_ar']:.2f}x")
     exact = all(r["exact_match_vs_ar"] == 1.0 for rep in reports for r in rep["results"].values())
     print(f"\noutputs identical to the model's own AR greedy output for every strategy: {'yes' if exact else 'NO'}")
     return 0 if exact else 1

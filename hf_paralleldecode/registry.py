@@ -1,8 +1,8 @@
 """Names of decoding strategies -> ``custom_generate`` callables.
 
-Project-wide names: ``"jacobi"`` (here), ``"jacobi_forcing"``, ``"lookahead"`` and
-``"speculative"`` (added by later strategies). Third parties may register their own callables;
-a strategy must accept the arguments of ``GenerationMixin._sample``.
+Built-in names (registered when this module is imported): ``"jacobi"``, ``"jacobi_forcing"``,
+``"lookahead"`` and ``"speculative"``. Third parties may register their own callables; a strategy
+must accept the arguments of ``GenerationMixin._sample``.
 """
 
 from __future__ import annotations

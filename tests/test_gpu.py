@@ -1,8 +1,8 @@
 """CUDA checks (skipped without a GPU; never required by CI).
 
-fp32 on CUDA must be exact like on CPU. bf16 can flip near-tied argmaxes between a one-token and
-an n-token forward (DESIGN.md, Numerics), so it is reported as an agreement rate and only checked
-loosely.
+fp32 on CUDA must be exact like on CPU. In bf16 a one-token forward and an n-token forward round
+differently, so near-tied argmaxes can flip (docs/index.md, "Numerics"); bf16 is therefore
+reported as an agreement rate and only checked loosely.
 """
 
 from __future__ import annotations

@@ -1,8 +1,14 @@
 """Decoding strategies (``custom_generate`` callables) and the pieces they share.
 
-Layout: ``cache`` (per-row committed KV slots), ``processors`` (logits processors per position),
-``verify`` (acceptance rules), ``commit`` (emission in stock order), ``base`` (validation,
-prefill, target forward, outputs); one module per strategy (``jacobi``).
+Layout
+    Strategies, one module each: ``jacobi``, ``jacobi_forcing``, ``lookahead``, ``speculative``
+    (registered by name in :mod:`hf_paralleldecode.registry`; importable from the top-level package).
+    Shared pieces: ``base`` (validation, prefill, the decode loop, outputs), ``support`` (which
+    ``generate`` arguments are supported or refused), ``cache`` (per-row committed KV slots),
+    ``target`` (the target forward and hidden-state taps), ``tree`` (packed token trees and their
+    masks), ``verify`` (acceptance rules), ``processors`` (logits processors per position),
+    ``commit`` (emission in stock order), ``ngram_pool`` (n-gram pools for lookahead and rejection
+    recycling), ``draft_tree`` (best-first draft trees for draft heads).
 """
 
 from .base import ParallelDecodingOutput

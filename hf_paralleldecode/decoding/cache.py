@@ -10,12 +10,13 @@ What it is for
     ``position_ids`` carry each row's logical positions. Attention is invariant to the order of
     keys, so holes cost compute but never change a result.
 
-Decision (rows that accept different lengths, see DESIGN.md "hard parts")
-    We keep per-row committed lengths instead of committing the minimum across rows: a fast row
-    never waits for a slow one. Trailing slots that no row kept are cut with the cache's public
-    ``crop`` (so at batch size 1 the cache always equals the committed length, with no holes);
-    holes inside the cache are removed by :meth:`SlotCache.compact` (a per-row gather along the
-    sequence axis of every layer) once they make up a large share of the cache.
+Decision (rows that accept different lengths)
+    We keep per-row committed lengths instead of committing the minimum accepted length across
+    rows (simpler, but it throws away the work of fast rows): a fast row never waits for a slow
+    one. Trailing slots that no row kept are cut with the cache's public ``crop`` (so at batch
+    size 1 the cache always equals the committed length, with no holes); holes inside the cache
+    are removed by :meth:`SlotCache.compact` (a per-row gather along the sequence axis of every
+    layer) once they make up a large share of the cache.
 
 What it deliberately does not know
     Which tokens are proposed or how they are verified: callers pass the new slots' intra-step

@@ -14,7 +14,7 @@ Two orders
       nodes enter in descending score order, so the tree is the top-``B`` set of branches under
       the score. A node's first child is considered only once the node is evaluated; a wave is
       run when an unevaluated node could still beat the best candidate.
-    * ``exact=False`` (sampling; the seed's Algorithm 1): pop the best unexpanded node and add
+    * ``exact=False`` (sampling; JetSpec Algorithm 1): pop the best unexpanded node and add
       *all* of its (up to ``W``) children at once. The number of children a node gets is then
       fixed before its children's values are seen, and siblings are a prefix of the drafter's
       without-replacement draws: the condition under which multi-draft rejection sampling

@@ -1,12 +1,13 @@
-"""Greedy Jacobi decoding: fixed-point iteration on an n-token block, block after block.
+"""Jacobi decoding: fixed-point iteration on an n-token block, block after block (greedy or sampled).
 
 Algorithm (per row; rows run independently, see ``cache.py`` for how they share one cache)
     A block covers ``n = block_size`` output positions. Its first token is the last committed
     token (known, its KV not yet computed); the other ``n - 1`` positions hold guesses. Each
     iteration feeds ``[last committed, guesses...]`` (only the unconverged part of the block) in
-    one forward with a causal mask after the committed prefix. The target's greedy choices ``y``
-    give the Jacobi update of every position; the leading guesses equal to ``y`` are converged
-    (accepted), and ``y`` right after them is exact as well (bonus). A step commits
+    one forward with a causal mask after the committed prefix. The target's choices ``y`` (its
+    argmax, or a draw from its distribution when sampling) give the Jacobi update of every
+    position; the leading guesses equal to ``y`` are converged (accepted), and ``y`` right after
+    them is exact as well (bonus). A step commits
     ``accepted + 1`` tokens and keeps the KV of the fed tokens it accepted; the rest of the
     block is replaced by its Jacobi update ``y`` and iterated again. When the block is complete,
     the bonus token starts the next block. ``block_size=1`` is ordinary greedy decoding.
@@ -19,9 +20,13 @@ Guess initialisation (``jacobi_init``)
     The initialisation changes speed only, never the output.
 
 Lossless
-    Every committed token is the target's greedy choice given the exact committed prefix, with
-    the user's logits processors applied per position (``processors.py``); the committed tokens
-    are emitted step by step exactly as stock ``_sample`` (``commit.py``).
+    Every committed token is the target's choice given the exact committed prefix, with the
+    user's logits processors applied per position (``processors.py``): its argmax when greedy, a
+    draw from its processed distribution when ``do_sample=True`` (sample-then-match,
+    ``verify.py``). Greedy output therefore equals stock greedy output token for token (in fp32;
+    in bf16 / fp16 a many-token forward can round a near-tied argmax differently from a one-token
+    forward), and sampled output is distributed as stock sampling. The committed tokens are emitted
+    step by step exactly as stock ``_sample`` (``commit.py``).
 """
 
 from __future__ import annotations
@@ -112,7 +117,7 @@ def jacobi(
     pd_streamer=None,
     **model_kwargs,
 ):
-    """Lossless greedy Jacobi decoding; a ``custom_generate`` callable.
+    """Lossless Jacobi decoding (greedy or sampled); a ``custom_generate`` callable.
 
     Use ``model.generate(**inputs, custom_generate=hf_paralleldecode.jacobi, block_size=16)`` on
     any model, or ``model.generate(**inputs, decoding="jacobi", block_size=16)`` on a model passed
@@ -123,7 +128,7 @@ def jacobi(
         jacobi_init: how the guesses of a new block are initialised, ``"random_context"`` or
             ``"repeat"`` (see the module docstring). Changes speed only, never the output.
         jacobi_seed: seed of the generator used by ``"random_context"``.
-        pd_streamer: streamer receiving committed tokens. ``decoding=`` routes ``streamer=`` here;
+        pd_streamer (BaseStreamer | None): streamer receiving committed tokens. ``decoding=`` routes ``streamer=`` here;
             with ``custom_generate=jacobi`` pass ``pd_streamer=`` yourself, because transformers
             does not hand ``streamer`` to ``custom_generate`` callables (it would only see the prompt).
     """

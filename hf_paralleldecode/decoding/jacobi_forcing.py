@@ -1,6 +1,9 @@
 """Jacobi Forcing decoding: multiblock Jacobi iteration plus rejection recycling, in one forward per step.
 
-Algorithm (per row; see ``../shared/seeds/jacobi_forcing_blog.txt``)
+Reference: Hu et al., *Fast and Accurate Causal Parallel Decoding using Jacobi Forcing* (2025);
+``docs/methods/jacobi_forcing.md``.
+
+Algorithm (per row)
     The row keeps one *chain* of guesses for consecutive positions after its last committed token
     (the root), split into up to ``K = num_blocks`` blocks of ``n = block_size`` positions. The
     first block is *real-active*: its tokens are verified and committed. The later blocks are
@@ -15,16 +18,19 @@ Algorithm (per row; see ``../shared/seeds/jacobi_forcing_blog.txt``)
     Rejection recycling: after every iteration the updated (unconverged) chain feeds an n-gram
     pool (``ngram_pool``) keyed by first token; each step up to ``pool_size`` stored continuations
     of the root token are verified together with the chain. Chain and candidates are merged into
-    one token tree and go through the general greedy verifier in ONE forward; the longest
-    accepted path wins. The pool lives for the whole call.
+    one token tree and go through the general tree verifier (greedy, or sample-then-match) in ONE
+    forward; the longest accepted path wins. The pool lives for the whole call.
 
     With ``num_blocks=1`` and ``pool_size=0`` this reduces to plain Jacobi iteration.
 
-Defaults (``None``): the seed's GPU configuration ``n=64, K=2, r=0.85, pool_size=4`` on CUDA, and
+Defaults (``None``): the paper's GPU configuration ``n=64, K=2, r=0.85, pool_size=4`` on CUDA, and
 on CPU the configuration in :data:`CPU_DEFAULTS` (see ``docs/methods/jacobi_forcing.md`` for how it
 was measured). ``ngram_size`` defaults to ``max(block_size, 2)`` (recycled candidates as long as a block).
 
-Lossless: every committed token is the target's greedy choice given the committed prefix.
+Lossless: every committed token is the target's choice given the committed prefix (its argmax when
+greedy, a draw from its processed distribution when sampling), as in :func:`hf_paralleldecode.jacobi`:
+greedy output equals stock greedy output (token for token in fp32), sampled output is distributed as
+stock sampling.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ from .tree import pack_trees
 __all__ = ["jacobi_forcing", "GPU_DEFAULTS", "CPU_DEFAULTS"]
 
 GPU_DEFAULTS = dict(block_size=64, num_blocks=2, activation_ratio=0.85, pool_size=4)
-# Chosen by measurement: the block_size x pool_size grid (K=2, r=0.85 fixed, as the seed does) on the
+# Chosen by measurement: the block_size x pool_size grid (K=2, r=0.85 fixed, as the paper does) on the
 # embedded model, 2 CPU cores; (4, 8) had the highest end-to-end tokens/s. On a CPU every extra token
 # in a forward costs compute, so small blocks win (docs/methods/jacobi_forcing.md, "Measured").
 CPU_DEFAULTS = dict(block_size=4, num_blocks=2, activation_ratio=0.85, pool_size=8)
@@ -175,7 +181,9 @@ def jacobi_forcing(
     pd_streamer=None,
     **model_kwargs,
 ):
-    """Lossless greedy Jacobi Forcing decoding (multiblock + rejection recycling); a ``custom_generate`` callable.
+    """Lossless Jacobi Forcing decoding (multiblock + rejection recycling); a ``custom_generate`` callable.
+
+    Greedy or sampled (``do_sample=True``); see the module docstring.
 
     Args:
         block_size: n, positions per block (default: 64 on CUDA, ``CPU_DEFAULTS`` on CPU).
@@ -184,7 +192,7 @@ def jacobi_forcing(
         pool_size: recycled n-gram candidates verified per step (0 disables rejection recycling).
         ngram_size: length of recycled n-grams (default: ``max(block_size, 2)``).
         jacobi_seed: seed for the guesses of new blocks (drawn from the row's context).
-        pd_streamer: see :func:`hf_paralleldecode.jacobi`.
+        pd_streamer (BaseStreamer | None): see :func:`hf_paralleldecode.jacobi`.
     """
     n, K, r, pool, ngram = _resolve_settings(model, block_size, num_blocks, activation_ratio, pool_size,
                                               ngram_size, jacobi_seed)

@@ -1,6 +1,9 @@
 """Lookahead decoding: a 2D Jacobi window produces n-grams; a pool of them is verified in the same forward.
 
-Algorithm (per row; see ``../shared/seeds/lookahead_decoding_explainer.txt``)
+Reference: Fu et al., *Break the Sequential Dependency of LLM Inference Using Lookahead Decoding*
+(ICML 2024); ``docs/methods/lookahead.md``.
+
+Algorithm (per row)
     State: a window of up to ``N - 1`` levels x ``W`` columns and an n-gram pool (``ngram_pool``).
     Level ``l``, column ``c`` guesses the token at position ``p0 + c + l`` (``p0`` = position after
     the last committed token, the *root*). Column ``c`` is therefore the chain
@@ -8,9 +11,9 @@ Algorithm (per row; see ``../shared/seeds/lookahead_decoding_explainer.txt``)
     under the root, exactly LADE's mask (level 0 causal, later levels see level 0 up to their
     column and their own column in earlier levels). The verification branch adds up to ``G``
     stored continuations keyed by the root token. Both branches are merged into ONE
-    :class:`~hf_paralleldecode.decoding.tree.PackedTree` and go through the general greedy
-    verifier in one forward; any matching path is exact, so level 0 (a Jacobi guess) can be
-    accepted too.
+    :class:`~hf_paralleldecode.decoding.tree.PackedTree` and go through the general tree
+    verifier (greedy, or sample-then-match) in one forward; any matching path is exact, so level 0
+    (a Jacobi guess) can be accepted too.
 
     After the forward, the target's choice at the top node of each column is the column's next
     token: with a full window (``N - 1`` levels) the column's n-gram ``(level0[c], ...,
@@ -23,7 +26,9 @@ Settings: ``window_size`` (W), ``ngram_size`` (N), ``guess_set_size`` (G, candid
 step and continuations kept per key), ``pool_from_prompt`` (seed the pool with the prompt's
 n-grams), ``lookahead_seed`` (reproducible refills).
 
-Lossless: acceptance is the general greedy tree verifier with per-node logits processors.
+Lossless: acceptance is the general tree verifier (greedy, or sample-then-match when ``do_sample=True``) with
+per-node logits processors: greedy output equals stock greedy output (token for token in fp32), sampled output
+is distributed as stock sampling.
 """
 
 from __future__ import annotations
@@ -130,7 +135,7 @@ def lookahead(
     pd_streamer=None,
     **model_kwargs,
 ):
-    """Lossless greedy lookahead decoding; a ``custom_generate`` callable.
+    """Lossless lookahead decoding (greedy or sampled); a ``custom_generate`` callable.
 
     Args:
         window_size: W, columns of the lookahead window (n-grams produced per step).
@@ -139,7 +144,7 @@ def lookahead(
             branch: the window's level 0 is still verified, as a Jacobi guess).
         pool_from_prompt: seed the pool with the prompt's n-grams (good for code and edits).
         lookahead_seed: seed of the generator that refills window columns from the context.
-        pd_streamer: see :func:`hf_paralleldecode.jacobi`.
+        pd_streamer (BaseStreamer | None): see :func:`hf_paralleldecode.jacobi`.
     """
     _check_settings(window_size, ngram_size, guess_set_size, pool_from_prompt, lookahead_seed)
     return decode(

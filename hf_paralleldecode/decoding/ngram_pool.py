@@ -1,6 +1,6 @@
 """N-gram pools: continuations keyed by their first token, least-recently-used first out.
 
-Fed by lookahead windows (and, later, by Jacobi Forcing's rejection recycling); read by the
+Fed by lookahead windows and by Jacobi Forcing's rejection recycling; read by the
 verification branch, which looks up the row's last committed token. One pool per original batch
 row; a pool lives for the whole ``generate`` call (it survives block boundaries).
 """

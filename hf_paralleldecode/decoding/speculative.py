@@ -24,8 +24,9 @@ Per step (rows run independently; ``cache.py`` explains how they share one cache
        the head keeps the accepted path's features and drops its block slots.
 
 Statistics (``output.stats``): ``mean_accepted_length`` (also ``tau``: accepted drafted tokens + 1
-per step, the seeds' convention), ``accepted_lengths`` (per step, per active row), ``head_forwards_per_step``, ``drafting_cost`` (c = (T_draft / N) /
-T_verify, JetSpec Appendix G, with N the drafted nodes), ``head_seconds``, ``draft_host_seconds``.
+per step, the convention of the JetSpec and DFlash papers), ``accepted_lengths`` (per step, per
+active row), ``head_forwards_per_step``, ``drafting_cost`` (c = (T_draft / N) / T_verify, JetSpec
+Appendix G, with N the drafted nodes), ``head_seconds``, ``draft_host_seconds``.
 """
 
 from __future__ import annotations
@@ -334,13 +335,17 @@ def speculative(
 ):
     """Lossless speculative decoding with a draft head (JetSpec / DFlash); a ``custom_generate`` callable.
 
+    Greedy output equals stock greedy output (token for token in fp32); with ``do_sample=True`` the
+    output is distributed as stock sampling (multi-draft rejection sampling with the head's ``q``).
+
     Args:
-        drafter: a :class:`hf_paralleldecode.DraftHead` built for this model (or the folder / Hub repo id
-            of one). It is moved to the model's device and dtype and bound to the model.
+        drafter (DraftHead | str | None): a :class:`hf_paralleldecode.DraftHead` built for this model, or the folder / Hub repo id
+            of one, or a shipped head's alias (``"default-jetspec"``, ``"default-dflash"``). It is moved
+            to the model's device and dtype and bound to the model.
         tree_budget: B, drafted nodes per step (the verification forward feeds B + 1 tokens).
         tree_width: W, children per node (1 = a chain).
         tree_depth: N, levels below the root (default: the head's ``block_size``).
-        pd_streamer: see :func:`hf_paralleldecode.jacobi`.
+        pd_streamer (BaseStreamer | None): see :func:`hf_paralleldecode.jacobi`.
     """
     drafter, depth = _check_settings(model, drafter, tree_budget, tree_width, tree_depth)
     if drafter.device != model.device or drafter.dtype != model.dtype:

@@ -14,13 +14,14 @@ Glossary (one notation everywhere, vLLM style)
 
 The three rules (:func:`verify_tree` picks one; nothing else accepts tokens)
     * greedy (``do_sample=False``): descend into the child whose token equals ``argmax p``; the
-      argmax at the last accepted node is the bonus token. Output = ``generate(do_sample=False)``.
+      argmax at the last accepted node is the bonus token. Output = ``generate(do_sample=False)``
+      (token for token in fp32; in bf16 / fp16 the many-token forward can flip a near-tied argmax).
     * sample-then-match (``do_sample=True``, drafts without ``q``: Jacobi blocks, n-grams): draw
       one token from ``p`` at every node and descend into the child holding it. Every committed
       token is a draw from ``p`` given its exact prefix, so the output is distributed as stock
       sampling.
-    * multi-draft rejection sampling (``do_sample=True``, drafts with ``q``: draft heads,
-      diffusion drafters): at the current node with residual ``r`` (initially ``p``), try the
+    * multi-draft rejection sampling (``do_sample=True``, drafts with ``q``: draft heads; diffusion
+      drafters are planned): at the current node with residual ``r`` (initially ``p``), try the
       children in the order they were drawn (without replacement) from ``q``: accept child ``y``
       with probability ``min(1, r(y) / q(y))``; on rejection ``r <- norm(max(r - q, 0))`` and
       ``q <- q`` with ``y`` removed (renormalised), then try the next sibling. When every child is
@@ -120,7 +121,7 @@ def rejection_walk(tree, p: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor
     """Multi-draft rejection sampling down each row's tree (see module docstring).
 
     Args:
-        tree: the packed trees that were fed; siblings are tried in node order (their draw order).
+        tree (PackedTree): the packed trees that were fed; siblings are tried in node order (their draw order).
         p: ``[batch, nodes, vocab]`` target probabilities after every node.
         q: ``[batch, nodes, vocab]`` draft probabilities each node's children were drawn from.
 

@@ -1,22 +1,32 @@
 """Export a draft head to the formats other engines read: transformers' DFlash, vLLM speculators, DFlash native.
 
 What it is for
-    Users outgrow one machine: a head trained here should serve in transformers' own assisted
-    generation, in vLLM and in SGLang without conversion scripts. :func:`export_draft_head` writes
+    Users outgrow one machine: a head trained here should be readable by transformers' own assisted
+    generation, by vLLM and by SGLang without conversion scripts. :func:`export_draft_head` writes
     one directory per format from the head's single state dict (the body is transformers' DFlash
-    drafter, so only names change). Formats and the fields each loader requires are in
-    ``../shared/notes/draft-head-formats.md``:
+    drafter, so only names change). The transformers form is run by the tests (its drafts are
+    compared with ``tree_width=1`` here); the vLLM / SGLang forms are written with the fields those
+    loaders read and checked structurally (config fields, weight names), not run against vLLM or
+    SGLang here. Formats and the fields each loader reads:
 
     * ``"transformers"``: ``MuseGlimmerAssistantModel`` layout (``encoder.fc``,
       ``encoder.output_norm_enc``): ``AutoModel.from_pretrained(dir)`` loads it without remote
-      code and ``target.generate(..., assistant_model=draft, speculation_type="dflash")`` runs it.
-      Its block holds the anchor, so its ``block_size`` is the head's ``block_size + 1``.
-    * ``"speculators"``: vLLM's speculators config (no top-level ``model_type``,
-      ``speculators_model_type="dflash"``, a Qwen3 ``transformer_layer_config``,
-      ``aux_hidden_state_layer_ids`` = the head's layer ids **+ 1**: vLLM counts the embeddings as
-      capture 0) with weights named ``fc`` / ``hidden_norm`` / ``layers.*`` / ``norm``.
-    * ``"dflash"``: the original authors' layout (a Qwen3 config + ``dflash_config``), read by
-      SGLang, vLLM's long form and the speculators converter; same weight names.
+      code and ``target.generate(..., assistant_model=draft, speculation_type="dflash")`` runs it
+      (transformers>=5.23). It reads ``target_layer_ids``, ``block_size`` and ``mask_token_id`` from
+      the config; its block holds the anchor, so its ``block_size`` is the head's ``block_size + 1``.
+    * ``"speculators"``: vLLM's speculators config: no top-level ``model_type``,
+      ``speculators_model_type="dflash"``, a Qwen3 ``transformer_layer_config`` (``model_type``,
+      ``vocab_size``, sizes, heads, ``head_dim``, ``rms_norm_eps``, ``rope_parameters``,
+      ``max_position_embeddings``, ``hidden_act``, ``attention_bias``; ``is_causal`` for a
+      ``tree_causal`` head), ``draft_vocab_size``, ``target_hidden_size``, ``block_size``,
+      ``mask_token_id``, ``aux_hidden_state_layer_ids`` = the head's layer ids **+ 1** (vLLM counts
+      the embeddings as capture 0) and ``speculators_config`` (proposal method, number of
+      speculative tokens, the verifier's ``name_or_path``), with weights named ``fc`` /
+      ``hidden_norm`` / ``layers.*`` / ``norm``.
+    * ``"dflash"``: the original authors' layout: a Qwen3 config plus ``block_size``,
+      ``num_target_layers`` and ``dflash_config`` (``mask_token_id``, ``target_layer_ids``,
+      ``causal`` / ``causal_head``, ``target_hidden_size``), read by SGLang, vLLM's long form and the
+      speculators converter; same weight names.
 
 What is lost
     transformers' DFlash path and vLLM / SGLang draft a *chain* with one block forward: tree

@@ -1,6 +1,9 @@
 """Draft heads: ``DraftHeadConfig`` / ``DraftHead``, a small network on the target's own hidden states.
 
-What it is (JetSpec / DFlash, ``../shared/seeds/jetspec_review.txt``)
+References: JetSpec (Hu et al., *JetSpec: Breaking the Scaling Ceiling of Speculative Decoding with
+Parallel Tree Drafting*, arXiv:2606.18394) and DFlash (block-diffusion draft heads, arXiv:2602.06036).
+
+What it is
     The outputs of a few target decoder layers (``target_layer_ids``, "output of layer i") are
     concatenated, projected by a bias-free linear layer and an RMSNorm, and injected as extra
     keys/values into every layer of a small Qwen3-style decoder (QK-norm, SwiGLU, no biases).
@@ -68,10 +71,25 @@ class DraftHeadConfig(PretrainedConfig):
         block_size: drafted positions per block (the anchor comes on top).
         mask_token_id: a row of the target's input embedding used for MASK slots.
         target_layer_ids: target decoder layers whose outputs feed the head.
-        target_hidden_size / target_vocab_size / target_num_hidden_layers / target_model_type /
-            target_name_or_path: the target the head belongs to (checked before any forward).
-        hidden_size ... rope_theta: the body (a Qwen3-style decoder; ``hidden_size`` equals the
-            target's, since the head reads the target's embeddings and writes through its LM head).
+        target_hidden_size: the target's hidden size. This and the four ``target_*`` fields below
+            describe the target the head belongs to (checked before any forward).
+        target_vocab_size: the target's vocabulary size.
+        target_num_hidden_layers: the target's number of decoder layers.
+        target_model_type: the target's ``model_type``.
+        target_name_or_path: the target's folder or Hub id.
+        hidden_size: the body's hidden size (a Qwen3-style decoder); it equals the target's, since
+            the head reads the target's embeddings and writes through its LM head. Default: the
+            target's.
+        intermediate_size: the body's MLP size (default: 3 x ``hidden_size``).
+        num_hidden_layers: the body's decoder layers.
+        num_attention_heads: the body's attention heads.
+        num_key_value_heads: the body's key/value heads (default: ``num_attention_heads``).
+        head_dim: the body's head dimension (default: ``hidden_size // num_attention_heads``).
+        rms_norm_eps: the body's RMSNorm epsilon.
+        rope_theta: the body's RoPE base.
+        max_position_embeddings: the body's maximum position.
+        hidden_act: the body's MLP activation.
+        initializer_range: standard deviation of the random initialisation.
     """
 
     model_type = "hf_paralleldecode_draft_head"

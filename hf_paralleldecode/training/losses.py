@@ -1,7 +1,7 @@
 """Losses of consistency distillation (CLLM) and progressive consistency (Jacobi Forcing), as pure functions.
 
 Notation: ``p`` is the teacher (target) distribution, ``q`` the student's. Teachers are always
-detached (stop-gradient, ``theta^-`` in the seeds). Every loss takes a boolean ``mask`` of the
+detached (stop-gradient, ``theta^-`` in the CLLM paper). Every loss takes a boolean ``mask`` of the
 positions that count (padding, prompt and ignored labels are False) and reduces as
 
 * ``sum over counted positions / num_items_in_batch`` when ``num_items_in_batch`` is given (what
@@ -144,7 +144,7 @@ def draft_distillation_loss(
 
     * ``"forward_kl"``: ``L^(m) = KL(p~ || q~)`` of the temperature-``T`` softened distributions,
       with the ``T^2`` prefactor so gradients keep their scale across temperatures (default);
-    * ``"reverse_kl"``: ``KL(q~ || p~)``, same prefactor (mode-seeking; the seed's ablation);
+    * ``"reverse_kl"``: ``KL(q~ || p~)``, same prefactor (mode-seeking; the JetSpec paper's ablation);
     * ``"sft"``: cross-entropy on hard labels (``labels``, or the teacher's argmax), no temperature.
 
     Normalised by ``num_items_in_batch`` (the step's total weight) when given, else by this

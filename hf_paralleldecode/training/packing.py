@@ -1,6 +1,9 @@
 """Jacobi Forcing data layout: noise schedules, state selection, packed noisy/clean sequences and their masks.
 
-What it is for (see ``../shared/seeds/jacobi_forcing_blog.txt``)
+Reference: Hu et al., *Fast and Accurate Causal Parallel Decoding using Jacobi Forcing* (2025);
+``docs/training.md``.
+
+What it is for
     A response is split into blocks of ``n`` tokens; block ``i`` gets a target noise ratio
     ``t_i = W[i mod w]`` from a schedule ``W`` (linear progressive, reverse progressive or
     random); the Jacobi state of block ``i`` whose noise ratio is nearest ``t_i`` becomes its
@@ -14,7 +17,7 @@ Noise ratio
     (the unconverged part in Jacobi's sense: a converged prefix, then noise), so ``0`` is the fixed
     point and ``1`` a state that is wrong from its first token.
 
-Masks (each token's visibility; the seed's Figure 4)
+Masks (each token's visibility; Jacobi Forcing, Hu et al. 2025, Figure 4)
     * ``"noise_conditioned"`` (Jacobi Forcing): a noisy token sees the prompt, the *noisy* blocks
       before its own (the earlier blocks at their assigned noise levels) and its own block
       causally; a clean token sees the prompt, the clean blocks before its own and its own block
@@ -22,7 +25,8 @@ Masks (each token's visibility; the seed's Figure 4)
     * ``"cllm"`` (no noise conditioning): a noisy token sees the prompt, the *clean* blocks before
       its own and its own block causally; clean tokens as above.
     Prompt tokens are causal among themselves. One predicate (:func:`visible`) defines each
-    variant; the dense 4D mask and the FlexAttention ``mask_mod`` are both built from it.
+    variant; the dense 4D mask and the FlexAttention ``mask_mod`` are both built from it (the
+    trainers use the dense mask; the FlexAttention helpers are provided for custom loops).
 """
 
 from __future__ import annotations

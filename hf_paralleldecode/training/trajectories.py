@@ -38,6 +38,7 @@ import torch
 
 from ..decoding.base import decode
 from ..decoding.jacobi import JacobiProposer
+from ..prompts import read_prompts
 
 logger = logging.getLogger(__name__)
 
@@ -45,35 +46,6 @@ __all__ = ["collect_trajectories", "load_trajectories", "read_prompts", "run_sha
            "split_responses", "tokenizer_fingerprint"]
 
 CONFIG_FILE = "collection_config.json"
-
-
-def read_prompts(source, column: str = "prompt") -> list[str]:
-    """Prompts from a ``datasets.Dataset``, a list of strings, or a local .json / .jsonl / .parquet file."""
-    if isinstance(source, (str, os.PathLike)):
-        path = Path(source)
-        if not path.is_file():
-            raise ValueError(f"Prompt file {path} does not exist.")
-        import datasets
-
-        kind = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}.get(path.suffix)
-        if kind is None:
-            raise ValueError(f"Unsupported prompt file {path.name}: use .json, .jsonl or .parquet.")
-        try:
-            source = datasets.load_dataset(kind, data_files=str(path), split="train")
-        except Exception as err:  # malformed file: name it
-            raise ValueError(f"Could not read prompts from {path}: {err}") from None
-    if isinstance(source, list):
-        prompts = source
-    else:
-        if column not in source.column_names:
-            raise ValueError(f"The prompts have no column {column!r} (columns: {source.column_names}).")
-        prompts = source[column]
-    if not prompts:
-        raise ValueError("No prompts to collect trajectories for (the dataset is empty).")
-    bad = [i for i, p in enumerate(prompts) if not isinstance(p, str) or not p]
-    if bad:
-        raise ValueError(f"Prompts must be non-empty strings; rows {bad[:5]} are not.")
-    return list(prompts)
 
 
 class _RecordingJacobi(JacobiProposer):

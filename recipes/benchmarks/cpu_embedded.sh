@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# The CPU figures quoted in the docs and issue notes: embedded model + a random ~120M model.
+# The CPU figures quoted in the docs: embedded model + a random ~120M model.
 # Run from the repository root after `bash scripts/setup.sh`. Each block writes JSON + PNG under bench_out/.
 set -euo pipefail
 OUT=${OUT:-bench_out}
 THREADS=${THREADS:-2}
 
-# 1. Jacobi block sizes on the embedded model (foundation issue)
+# 1. Jacobi block sizes on the embedded model (docs/methods/jacobi.md)
 hf-paralleldecode bench --model default --num-prompts 8 --max-new-tokens 96 --repeats 3 --threads "$THREADS" \
   --strategies jacobi:block_size=4 jacobi:block_size=16 jacobi:block_size=64 --output-dir "$OUT/jacobi_blocks"
 

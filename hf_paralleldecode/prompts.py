@@ -1,0 +1,81 @@
+"""One prompt reader for every command (``bench``, ``sweep``, ``demo``, ``collect``, ``regenerate``).
+
+Accepted sources: a ``datasets.Dataset``, a list of strings, or a file:
+
+* ``.jsonl``: one JSON object per line (the ``column`` field) or one JSON string per line;
+* ``.json``: a list of strings or of objects (the ``column`` field);
+* ``.parquet``: a table with a ``column`` column;
+* ``.txt``: prompts separated by blank lines.
+
+Errors name the file and the fix: a missing file, an unsupported suffix, a missing column (the
+columns that exist are listed), an empty file, a row that is not a non-empty string.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+__all__ = ["read_prompts", "PROMPT_FORMATS"]
+
+PROMPT_FORMATS = (".jsonl", ".json", ".parquet", ".txt")
+
+
+def _rows_from_file(path: Path, column: str) -> list:
+    if not path.is_file():
+        raise ValueError(f"Prompt file {path} does not exist.")
+    if path.suffix not in PROMPT_FORMATS:
+        raise ValueError(f"Unsupported prompt file {path.name}: use one of {', '.join(PROMPT_FORMATS)}.")
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            table = pq.read_table(path)
+        except Exception as err:  # noqa: BLE001 - a foreign or truncated file: name it
+            raise ValueError(f"Could not read prompts from {path}: {err}") from None
+        if column not in table.column_names:
+            raise ValueError(f"{path} has no column {column!r} (columns: {table.column_names}).")
+        return table.column(column).to_pylist()
+    text = path.read_text()
+    if path.suffix == ".txt":
+        return [p for p in text.split("\n\n") if p.strip()]
+    try:
+        data = json.loads(text) if path.suffix == ".json" else [json.loads(line) for line in text.splitlines() if line.strip()]
+    except json.JSONDecodeError as err:
+        raise ValueError(f"Could not read prompts from {path}: {err}") from None
+    if path.suffix == ".json" and not isinstance(data, list):
+        raise ValueError(f"{path} must hold a JSON list of prompts (strings or objects with a {column!r} field).")
+    rows = []
+    for i, item in enumerate(data):
+        if isinstance(item, dict):
+            if column not in item:
+                raise ValueError(f"Row {i} of {path} has no column {column!r} (columns: {sorted(item)}); "
+                                 "pass the column name (--prompt-column).")
+            item = item[column]
+        rows.append(item)
+    return rows
+
+
+def read_prompts(source, column: str = "prompt") -> list[str]:
+    """The prompts of ``source`` (see the module docstring) as a list of non-empty strings."""
+    where = "the prompts"
+    if isinstance(source, (str, os.PathLike)):
+        where = str(source)
+        rows = _rows_from_file(Path(source), column)
+    elif isinstance(source, list):
+        rows = source
+    else:  # a datasets.Dataset (or anything with column_names and column access)
+        names = getattr(source, "column_names", None)
+        if names is None:
+            raise ValueError(f"Prompts must be a file path, a list of strings or a datasets.Dataset, got "
+                             f"{type(source).__name__}.")
+        if column not in names:
+            raise ValueError(f"The prompts have no column {column!r} (columns: {names}).")
+        rows = source[column]
+    if not rows:
+        raise ValueError(f"No prompts in {where} (it is empty).")
+    bad = [i for i, p in enumerate(rows) if not isinstance(p, str) or not p]
+    if bad:
+        raise ValueError(f"Prompts must be non-empty strings; rows {bad[:5]} of {where} are not.")
+    return list(rows)
