@@ -152,6 +152,8 @@ def _no_forward(model):
         (dict(tree_width=0), "tree_width"),
         (dict(tree_depth=0), "tree_depth"),
         (dict(tree_budget=2.5), "tree_budget"),
+        (dict(tree_waves=0), "tree_waves"),
+        (dict(tree_waves=1.5), "tree_waves"),
     ],
 )
 def test_bad_settings_raise_before_any_forward(settings, match):
@@ -161,6 +163,34 @@ def test_bad_settings_raise_before_any_forward(settings, match):
     _no_forward(model)
     with pytest.raises(ValueError, match=match):
         model.generate(input_ids=torch.tensor([[5, 6]]), max_new_tokens=4, decoding="speculative", **settings)
+
+
+@pytest.mark.parametrize("budget", [8, 64])
+def test_more_waves_fill_larger_trees_and_stay_exact(small_vocab, budget):
+    """A causal head's exact best-first tree is capped by its waves; tree_waves lifts the cap losslessly."""
+    model = small_vocab
+    ids, mask = small_prompts(3)
+    ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False, decoding="stock")
+    head = head_for(model, "tree_causal", block_size=4)
+    runs = {}
+    for waves in (None, 40):
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False,
+                             decoding="speculative", drafter=head, tree_budget=budget, tree_width=2,
+                             tree_waves=waves, return_dict_in_generate=True)
+        assert torch.equal(out.sequences, ref)
+        assert out.stats["head_forwards_per_step"] <= (waves or 4) and out.stats["tree_waves"] == (waves or 4)
+        runs[waves] = out.stats
+    assert runs[40]["head_forwards_per_step"] >= runs[None]["head_forwards_per_step"]
+    if budget == 64:  # 4 waves x width 2 cannot hold 64 nodes; 40 waves fill more of the budget
+        assert runs[40]["head_forwards_per_step"] > runs[None]["head_forwards_per_step"]
+
+
+def test_tree_waves_with_a_block_head_is_refused():
+    model = hfpd.enable(tiny_model("llama"))
+    _no_forward(model)
+    with pytest.raises(ValueError, match="tree_waves.*Drop tree_waves"):
+        model.generate(input_ids=torch.tensor([[5, 6]]), max_new_tokens=4, decoding="speculative",
+                       drafter=head_for(model, "block_bidirectional"), tree_waves=3)
 
 
 def test_block_head_depth_beyond_its_block_is_refused():

@@ -47,14 +47,16 @@ from .tree import PackedTree, tree_from_parents
 __all__ = ["speculative"]
 
 
-def _check_tree(tree_budget, tree_width, tree_depth):
+def _check_tree(tree_budget, tree_width, tree_depth, tree_waves):
     check_int_setting("tree_budget", tree_budget, 1)
     check_int_setting("tree_width", tree_width, 1)
     if tree_depth is not None:
         check_int_setting("tree_depth", tree_depth, 1)
+    if tree_waves is not None:
+        check_int_setting("tree_waves", tree_waves, 1)
 
 
-def _check_settings(model, drafter, tree_budget, tree_width, tree_depth):
+def _check_settings(model, drafter, tree_budget, tree_width, tree_depth, tree_waves):
     from ..drafters.head import DraftHead
 
     if drafter is None:
@@ -70,8 +72,13 @@ def _check_settings(model, drafter, tree_budget, tree_width, tree_depth):
     if not isinstance(drafter, DraftHead):
         raise ValueError(f"`drafter` must be a hf_paralleldecode.DraftHead, got {type(drafter).__name__}.")
     drafter.check_target(model)
-    _check_tree(tree_budget, tree_width, tree_depth)
+    _check_tree(tree_budget, tree_width, tree_depth, tree_waves)
     depth = drafter.config.block_size if tree_depth is None else tree_depth
+    if tree_waves is not None and drafter.config.attention != "tree_causal":
+        raise ValueError(
+            f"tree_waves sets how many forwards a tree_causal head may run per step; this {drafter.config.attention} "
+            "head drafts every depth in one forward. Drop tree_waves."
+        )
     if drafter.config.attention == "block_bidirectional" and depth > drafter.config.block_size:
         raise ValueError(
             f"tree_depth={depth} exceeds the block_bidirectional head's block_size={drafter.config.block_size}: "
@@ -135,9 +142,10 @@ class _HeadContext:
 
 
 class DraftHeadProposer(Proposer):
-    def __init__(self, run, head, taps, budget, width, depth):
+    def __init__(self, run, head, taps, budget, width, depth, waves=None):
         self.run, self.head, self.taps = run, head, taps
         self.budget, self.width, self.depth = budget, width, depth
+        self.waves = waves or depth  # causal head: forwards per step at most
         self.sample = bool(run.generation_config.do_sample)
         self.causal = head.config.attention == "tree_causal"
         self.mask_id = head.config.mask_token_id
@@ -249,7 +257,7 @@ class DraftHeadProposer(Proposer):
             wanted = [bld.wanted() for bld in builders]
             if not any(wanted):
                 return
-            if waves == self.depth:  # wave cap: unevaluated nodes stay leaves
+            if waves == self.waves:  # wave cap: unevaluated nodes stay leaves
                 for bld in builders:
                     bld.freeze()
                 continue
@@ -330,6 +338,7 @@ def speculative(
     tree_budget: int = 64,
     tree_width: int = 8,
     tree_depth: int | None = None,
+    tree_waves: int | None = None,
     pd_streamer=None,
     **model_kwargs,
 ):
@@ -345,16 +354,23 @@ def speculative(
         tree_budget: B, drafted nodes per step (the verification forward feeds B + 1 tokens).
         tree_width: W, children per node (1 = a chain).
         tree_depth: N, levels below the root (default: the head's ``block_size``).
+        tree_waves: ``tree_causal`` heads only: head forwards per step at most (default: ``tree_depth``).
+            Exact best-first insertion evaluates a node only once it is in the tree, so a confident
+            chain takes one wave per level and the tree is capped near ``tree_waves x tree_width``
+            nodes; more waves let large budgets fill (tau keeps rising with the budget) at one head
+            forward each.
         pd_streamer (BaseStreamer | None): see :func:`hf_paralleldecode.jacobi`.
     """
-    drafter, depth = _check_settings(model, drafter, tree_budget, tree_width, tree_depth)
+    drafter, depth = _check_settings(model, drafter, tree_budget, tree_width, tree_depth, tree_waves)
     if drafter.device != model.device or drafter.dtype != model.dtype:
         drafter.to(device=model.device, dtype=model.dtype)
     drafter.bind(model)
     with HiddenStateTaps(model, drafter.config.target_layer_ids) as taps:  # hooks removed on exit
         return decode(
-            model, "speculative", lambda run: DraftHeadProposer(run, drafter, taps, tree_budget, tree_width, depth),
+            model, "speculative",
+            lambda run: DraftHeadProposer(run, drafter, taps, tree_budget, tree_width, depth, tree_waves or depth),
             input_ids, logits_processor, stopping_criteria, generation_config, streamer, model_kwargs,
-            dict(tree_budget=tree_budget, tree_width=tree_width, tree_depth=depth, head=drafter.config.attention),
+            dict(tree_budget=tree_budget, tree_width=tree_width, tree_depth=depth, head=drafter.config.attention,
+                 **({"tree_waves": tree_waves or depth} if drafter.config.attention == "tree_causal" else {})),
             pd_streamer=pd_streamer,
         )

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Draft heads on the embedded model (issue 9): tau and tokens/s against the tree budget, with transformers'
+# Draft heads on the embedded model: tau and tokens/s against the tree budget, with transformers'
 # prompt lookup, transformers' own DFlash path (the exported head) and AR in the same run, at batch 1, 4 and 8;
 # the FKL / RKL / corpus-text ablation heads; the speed-up formula. Run from the repository root.
 # Each bench block writes bench.json, bench.png and tree_budget.png under $OUT.
@@ -17,6 +17,9 @@ for batch in ${BATCHES:-1 4 8}; do
   if [[ $batch == 1 ]]; then budgets=${BUDGETS:-16 32 64 128 256}; else budgets=${BATCH_BUDGETS:-16 64 256}; fi
   strategies=()
   for b in $budgets; do strategies+=("speculative:drafter=$JET,tree_budget=$b"); done
+  if [[ $batch == 1 ]]; then  # the causal head with 4x the default waves (tree_waves = 4 x its depth of 8)
+    for b in $budgets; do strategies+=("speculative:drafter=$JET,tree_budget=$b,tree_waves=32"); done
+  fi
   for b in $budgets; do strategies+=("speculative:drafter=$DFL,tree_budget=$b"); done
   strategies+=("speculative:drafter=$DFL,tree_budget=8,tree_width=1" "dflash_transformers:drafter=$DFL" prompt_lookup)
   hf-paralleldecode bench --model default --num-prompts "$PROMPTS" --max-new-tokens "$NEW" --repeats "$REPEATS" \
