@@ -144,3 +144,21 @@ def test_prefix_allowed_tokens_fn_only_ever_sees_its_own_rows_prefixes(decoding)
         torch.manual_seed(0)
         settings = dict(drafter=hfpd.DraftHead.for_target(model, num_hidden_layers=1, block_size=3), tree_budget=5)
     assert torch.equal(model.generate(**kwargs, decoding=decoding, **settings), ref)
+
+
+@pytest.mark.parametrize("decoding", ["jacobi", "jacobi_forcing", "lookahead"])
+def test_a_streamer_given_with_custom_generate_is_fed_like_stock(decoding):
+    """transformers keeps ``streamer`` from a custom_generate callable (after putting the prompt in it);
+    the strategy finds it and streams the same puts and one end() as stock."""
+    from models import RecordingStreamer
+
+    model = tiny_model("llama")  # not enabled: the plain custom_generate route
+    ids, mask = prompts(2)
+    stock, ours = RecordingStreamer(), RecordingStreamer()
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
+    model.generate(**kwargs, streamer=stock)
+    strategy = getattr(hfpd, decoding)
+    model.generate(**kwargs, streamer=ours, custom_generate=strategy, **STRATEGIES[decoding])
+    assert ours.ended == stock.ended == 1
+    assert len(ours.values) == len(stock.values)
+    assert all(torch.equal(a, b) for a, b in zip(ours.values, stock.values))

@@ -256,6 +256,7 @@ def start(
     generation_config,
     streamer,
     model_kwargs: dict,
+    prompt_streamed: bool = False,
 ) -> DecodeRun:
     """Validate, prefill the prompt and commit every row's first token; return the run state."""
     _validate(model, name, input_ids, generation_config, logits_processor, model_kwargs)
@@ -275,6 +276,7 @@ def start(
         generation_config,
         stopping_criteria,
         streamer=streamer,
+        prompt_streamed=prompt_streamed,
         output_scores=bool(generation_config.return_dict_in_generate and generation_config.output_scores),
         output_logits=bool(generation_config.return_dict_in_generate and generation_config.output_logits),
     )
@@ -323,17 +325,38 @@ class Proposer:
         """Default: the proposer keys its state by original row id and needs no compaction."""
 
 
+def _streamer_generate_kept():
+    """The ``streamer`` of the enclosing transformers ``generate`` call, if any (see :func:`decode`)."""
+    import sys
+
+    frame = sys._getframe(2)
+    for _ in range(8):
+        if frame is None:
+            return None
+        code = frame.f_code
+        if code.co_name == "generate" and code.co_filename.replace("\\", "/").endswith("generation/utils.py"):
+            return frame.f_locals.get("streamer")
+        frame = frame.f_back
+    return None
+
+
 def decode(model, name, make_proposer, input_ids, logits_processor, stopping_criteria, generation_config,
            streamer, model_kwargs, settings: dict, pd_streamer=None):
     """The loop every strategy shares: validate + prefill, then propose -> verify -> update until done.
 
     ``pd_streamer`` (what ``decoding=`` routes ``streamer=`` to, see ``integration.py``) wins over
-    ``streamer`` (which ``generate`` never hands a ``custom_generate`` callable anyway).
+    ``streamer``. When neither arrives but the user gave ``generate(streamer=...)`` with
+    ``custom_generate=<strategy>`` (transformers keeps it from callables after putting the prompt
+    into it), that streamer is found in ``generate``'s frame and fed the steps and ``end()``.
     """
     wall_start = time.perf_counter()
     streamer = pd_streamer if pd_streamer is not None else streamer
+    prompt_streamed = False
+    if streamer is None:  # custom_generate=<strategy> called directly: generate kept the user's streamer
+        streamer = _streamer_generate_kept()
+        prompt_streamed = streamer is not None  # generate has already put the prompt into it
     run = start(model, name, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
-                model_kwargs)
+                model_kwargs, prompt_streamed)
     run.stats.update(settings)
     if not run.log.done:  # (no room for new tokens is only reachable by calling a strategy directly)
         proposer = make_proposer(run)

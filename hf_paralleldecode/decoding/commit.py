@@ -6,8 +6,9 @@ What it is for
     finished (when an EOS criterion is present), calls the stopping criteria on the whole batch
     after each step and hands each step's tokens to the streamer. :class:`CommitLog` stores what
     each row has committed and *emits* step ``t`` as soon as every unfinished row has committed
-    its ``t``-th token, so the output tensor, the finished-row padding, the stopping-criteria calls
-    and the streamer see exactly what stock generation would have produced.
+    its ``t``-th token (every row's, finished ones included, when there is no EOS to pad with), so
+    the output tensor, the finished-row padding, the stopping-criteria calls and the streamer see
+    exactly what stock generation would have produced.
 
 What it deliberately does not know
     How tokens were proposed or verified; it only records what a strategy commits.
@@ -33,6 +34,7 @@ class CommitLog:
         generation_config,
         stopping_criteria,
         streamer=None,
+        prompt_streamed: bool = False,  # the streamer already has the prompt (generate put it there)
         output_scores: bool = False,
         output_logits: bool = False,
     ):
@@ -59,7 +61,7 @@ class CommitLog:
         self.scores: list[torch.Tensor] | None = [] if output_scores else None
         self.logits: list[torch.Tensor] | None = [] if output_logits else None
         self._score_buf = self._logit_buf = None
-        if streamer is not None:
+        if streamer is not None and not prompt_streamed:
             streamer.put(input_ids.cpu())
 
     @property
@@ -115,7 +117,7 @@ class CommitLog:
         return room & self.unfinished & (self.first_eos >= self.count)
 
     def emit(self) -> None:
-        """Emit every step that all unfinished rows have committed; update ``unfinished``."""
+        """Emit every step that every row still writing has committed; update ``unfinished``."""
         while self.unfinished.any() and self.emitted < self.max_new_tokens:
             t = self.emitted
             # with an EOS criterion a finished row's step is padding; without one stock keeps writing the
