@@ -252,7 +252,13 @@ def _demo(args) -> int:
             b, a = base["results"][label], trained["results"][label]
             print(f"  {label:<{width}} TPF {b['tpf']:.2f} -> {a['tpf']:.2f}   "
                   f"speedup {b['speedup_vs_ar']:.2f}x -> {a['speedup_vs_ar']:.2f}x")
-    exact = all(r["exact_match_vs_ar"] == 1.0 for rep in reports for r in rep["results"].values())
+    rates = [r["exact_match_vs_ar"] for rep in reports for r in rep["results"].values()]
+    if args.dtype != "float32":  # exactness is an fp32 property: report the agreement, do not fail on it
+        print(f"\n{args.dtype}: rows identical to the model's own AR greedy output: {min(rates):.0%} to "
+              f"{max(rates):.0%} per strategy (token-for-token equality is guaranteed in float32; see "
+              "docs/benchmark.md#numerics)")
+        return 0
+    exact = all(rate == 1.0 for rate in rates)
     print(f"\noutputs identical to the model's own AR greedy output for every strategy: {'yes' if exact else 'NO'}")
     return 0 if exact else 1
 
