@@ -109,6 +109,62 @@ def test_train_cli_draft_head_recipe(setup, tmp_path, attention):
     assert torch.equal(out.sequences, target.generate(input_ids=ids, max_new_tokens=10, decoding="stock"))
 
 
+def test_draft_head_recipe_seed_makes_the_run_reproducible(setup, tmp_path):
+    """The recipe's seed also seeds the new head's initialisation (two runs give the same head)."""
+    from safetensors.torch import load_file
+
+    from hf_paralleldecode.training.regenerate import regenerate
+
+    regen = tmp_path / "regen"
+    regenerate(tiny_model("llama"), word_tokenizer(), ["t5 t6 t7", "t8 t9"], regen, max_new_tokens=8, progress=False)
+    heads = []
+    for name in ("a", "b"):
+        spec = dict(method="draft_head", model_name_or_path=str(setup / "model"), trajectories=str(regen),
+                    output_dir=str(tmp_path / name), head_num_hidden_layers=1, head_block_size=3, max_anchors=8,
+                    per_device_train_batch_size=2, max_steps=1, logging_steps=1, save_strategy="no", use_cpu=True,
+                    report_to="none", seed=7)
+        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(spec))
+        assert cli.main(["train", "--config", str(tmp_path / f"{name}.yaml")]) == 0
+        heads.append(load_file(tmp_path / name / "model.safetensors"))
+    assert all(torch.equal(heads[0][k], heads[1][k]) for k in heads[0])
+
+
+@pytest.mark.slow
+def test_draft_head_two_processes_under_accelerate_launch_equal_one_process(setup, tmp_path):
+    """2 processes x 2 rows = 1 process x 4 rows, step for step: the loss is normalised over processes."""
+    from safetensors.torch import load_file
+
+    from hf_paralleldecode.training.regenerate import regenerate
+
+    regen = tmp_path / "regen"
+    regenerate(tiny_model("llama"), word_tokenizer(), [f"t{5 + i} t{6 + i} t{9 + i}" for i in range(4)], regen,
+               max_new_tokens=10, progress=False)
+
+    def recipe(name, batch):
+        spec = dict(method="draft_head", model_name_or_path=str(setup / "model"), trajectories=str(regen),
+                    output_dir=str(tmp_path / name), head_attention="tree_causal", head_num_hidden_layers=1,
+                    head_block_size=3, max_anchors=100, per_device_train_batch_size=batch, max_steps=1,
+                    learning_rate=1.0, optim="sgd", lr_scheduler_type="constant", warmup_steps=0, logging_steps=1,
+                    save_strategy="no", use_cpu=True, report_to="none", seed=0)
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(spec))
+        return path
+
+    assert cli.main(["train", "--config", str(recipe("one", 4))]) == 0
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+           "--main_process_port", str(_free_port()), "-m", "hf_paralleldecode.cli", "train", "--config",
+           str(recipe("two", 2))]
+    env = dict(os.environ, OMP_NUM_THREADS="1", TQDM_DISABLE="1", ACCELERATE_USE_CPU="true")
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((tmp_path / "two" / "train_info.json").read_text())["world_size"] == 2
+    one, two = (load_file(tmp_path / n / "model.safetensors") for n in ("one", "two"))
+    assert one.keys() == two.keys()
+    for key in one:
+        torch.testing.assert_close(one[key], two[key], rtol=1e-4, atol=1e-6)
+
+
 #: the published configs of the recipes' Hub targets (no Hub access here): sizes only, enough to build on meta
 HUB_CONFIGS = {
     "Qwen/Qwen3-8B": dict(model_type="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,

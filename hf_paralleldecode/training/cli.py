@@ -204,6 +204,9 @@ def train_main(argv: list[str]) -> int:
     if dry_run:
         print(json.dumps(_dry_run(method, script, args, model_path), indent=2))
         return 0
+    from transformers import set_seed
+
+    set_seed(args.seed)  # a new head's initialisation follows the recipe's seed, like the rest of the run
     model = AutoModelForCausalLM.from_pretrained(model_path, attn_implementation=script.attn_implementation,
                                                  use_safetensors=True)
     tokenizer = load_tokenizer(model_path)  # saved with the checkpoint
