@@ -15,7 +15,13 @@ Method
     * whether the generated tokens equal AR's (exact match).
 
     Reported per strategy: medians over repeats of the per-repeat totals, speedup = AR seconds /
-    strategy seconds within the same repeat (median). Writes ``bench.json`` and ``bench.png``.
+    strategy seconds within the same repeat (median). Writes ``bench.json`` (with each strategy's
+    settings and resolved settings), ``bench.png`` and, when strategies differ in ``tree_budget``,
+    ``tree_budget.png`` (charts need matplotlib; ``report["files"]`` lists what was written).
+
+Stock peers
+    ``prompt_lookup`` and ``dflash_transformers`` run transformers' own assisted generation, which
+    is batch-1 only: at batch > 1 they run row by row (``sequential_rows`` in the report).
 
 What it deliberately does not do
     Assert anything about speed: it measures and reports.
@@ -504,7 +510,7 @@ def grid_strategies(decoding: str, grid: dict[str, list]) -> list[StrategySpec]:
 
 
 def plot_sweep(report: dict, decoding: str, grid: dict[str, list], path: str | Path) -> bool:
-    """Heatmaps of TPF and tokens/s over a two-setting grid (the seed's Figure 7b on this machine)."""
+    """Heatmaps of TPF and tokens/s over a two-setting grid (Jacobi Forcing's Figure 7b on this machine)."""
     if len(grid) != 2:
         logger.warning("sweep chart needs exactly two settings; got %s", list(grid))
         return False

@@ -1,8 +1,12 @@
-"""``hf-paralleldecode``: demo, benchmark and environment report.
+"""``hf-paralleldecode``: demo, benchmarks, training data, training and an environment report.
 
-    hf-paralleldecode demo                      # embedded model: AR vs every strategy
-    hf-paralleldecode bench --strategies jacobi:block_size=16 --max-new-tokens 128
-    hf-paralleldecode env                       # versions, for bug reports
+    hf-paralleldecode demo [--drafter default-jetspec]   # embedded model: AR vs every strategy it can run
+    hf-paralleldecode bench --strategies jacobi:block_size=16 prompt_lookup --max-new-tokens 128
+    hf-paralleldecode sweep --decoding jacobi_forcing --grid block_size=4,8 pool_size=0,4
+    hf-paralleldecode collect --prompts P.jsonl --output-dir D      # Jacobi trajectories (CLLM / Jacobi Forcing)
+    hf-paralleldecode regenerate --prompts P.jsonl --output-dir D   # the model's own continuations (draft heads)
+    hf-paralleldecode train --config RECIPE.yaml [--dry-run]        # every recipe in recipes/
+    hf-paralleldecode env                                            # versions, for bug reports
 """
 
 from __future__ import annotations

@@ -10,6 +10,12 @@ How (decision)
     strategy up in the registry and calls the stock ``generate`` with ``custom_generate=<strategy>``,
     so transformers still prepares inputs, cache, processors and stopping criteria.
 
+What a call can get (``decoding/support.py``; the table is ``docs/generate-arguments.md``)
+    Before transformers prepares anything, the call is checked against what a parallel decoding
+    can serve. An explicit ``decoding=`` raises on a conflict; a checkpoint's *default* decoding
+    steps aside and stock ``generate`` runs (info log). ``stop_strings`` are turned into a
+    ``StopStringCriteria`` here, from ``tokenizer=``, which transformers does not hand a callable.
+
 Pickling
     The swapped class is made per original class at run time, so pickle cannot find it by name. An
     enabled model pickles as its original class plus "enable me again": ``pickle``, ``copy.deepcopy``

@@ -42,13 +42,14 @@ class ParallelDecodingOutput(GenerateDecoderOnlyOutput):
         num_generated_tokens: tokens generated, summed over rows, up to each row's stop.
         tokens_per_forward: TPF = generated tokens / target forward passes, averaged per row
             (sum over rows of tokens / sum over rows of the forwards that row took part in).
+        decoding: name of the strategy.
+        stats: strategy-specific counters and the settings the strategy resolved (e.g. cache
+            compactions, ``block_size``, ``tau``).
 
     ``scores`` / ``logits`` (with ``output_scores`` / ``output_logits``) hold, per step, the values
     of the committed tokens; rows that had already finished at that step hold zeros (stock
     generation fills them with the scores of its padding continuation, which is never computed
     here). ``past_key_values`` is ``None``: the cache holds per-row holes and is not reusable as is.
-        decoding: name of the strategy.
-        stats: strategy-specific counters (e.g. cache compactions).
     """
 
     num_forward_passes: int | None = None

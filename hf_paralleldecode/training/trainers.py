@@ -49,7 +49,7 @@ class _ParallelDecodingTrainingArguments(TrainingArguments):
     beta: float = field(default=0.5, metadata={"help": "Mixing weight of the generalised JSD (distance='jsd'), in (0, 1)."})
     ar_weight: float = field(default=1.0, metadata={"help": "Weight (lambda / w) of the AR loss on the greedy response."})
     ar_target: str = field(default="greedy", metadata={"help": (
-        "AR term: 'greedy' = cross-entropy on the base model's greedy response (the seeds); 'base_kl' = forward KL "
+        "AR term: 'greedy' = cross-entropy on the base model's greedy response (CLLM, Jacobi Forcing); 'base_kl' = forward KL "
         "from a frozen copy of the starting model to the model on the same response positions, which keeps the "
         "model's distribution instead of sharpening it toward its argmax (costs a frozen copy and its forward).")})
     base_model_name_or_path: str | None = field(default=None, metadata={"help": "Provenance, written to the model card."})

@@ -3,9 +3,11 @@
 What it does
     Generates each prompt's greedy response block by block (``block_size`` = n) with the
     library's Jacobi decoding (KV-cached, batched, lossless) and records, per block, every state
-    the block went through (from its initial guess to its fixed point) and the fixed point. The
-    states are exactly those of cache-free Jacobi iteration (each position's update depends only
-    on the tokens before it), so they are the CLLM / Jacobi Forcing training data.
+    the block went through (from its initial guess to its fixed point) and the fixed point. In fp32
+    the states are those of cache-free Jacobi iteration (each position's update depends only on the
+    tokens before it; in half precision up to rounding), so they are the CLLM / Jacobi Forcing
+    training data. Collection decodes plain greedy, whatever the checkpoint's generation config
+    says (see :func:`plain_generation_config`).
 
 Output (``output_dir``)
     * ``shard-XXXXXXXX.parquet``: one row per prompt, columns
