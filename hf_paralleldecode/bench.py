@@ -408,15 +408,24 @@ def run_benchmark(
     return report
 
 
-def plot_report(report: dict, path: str | Path) -> bool:
-    """Bar charts of tokens/s, TPF and loop overhead per strategy (needs matplotlib: ``[bench]`` extra)."""
+def _pyplot(chart: str):
+    """``matplotlib.pyplot`` with the Agg backend, or ``None`` (warned) when matplotlib is missing."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:  # pragma: no cover - optional dependency
-        logger.warning("matplotlib is not installed (pip install 'hf_paralleldecode[bench]'); no chart written.")
+        logger.warning("matplotlib is not installed (pip install 'hf_paralleldecode[bench]'); no %s chart written.",
+                       chart)
+        return None
+    return plt
+
+
+def plot_report(report: dict, path: str | Path) -> bool:
+    """Bar charts of tokens/s, TPF and loop overhead per strategy (needs matplotlib: ``[bench]`` extra)."""
+    plt = _pyplot("bench")
+    if plt is None:
         return False
     labels = list(report["results"])
     res = report["results"]
@@ -459,13 +468,8 @@ def scaling_series(report: dict, key: str) -> dict[str, list[tuple]]:
 def plot_scaling(report: dict, key: str, path: str | Path) -> bool:
     """TPF (tau) and tokens/s against setting ``key`` per group, other entries as horizontal lines
     (JetSpec Figure 4 on this machine: does tau keep rising with the tree budget?)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:  # pragma: no cover - optional dependency
-        logger.warning("matplotlib is not installed; no scaling chart written.")
+    plt = _pyplot("scaling")
+    if plt is None:
         return False
     series = scaling_series(report, key)
     flat = [(lab, r) for lab, r in report["results"].items() if key not in r.get("settings", {})]
@@ -514,13 +518,8 @@ def plot_sweep(report: dict, decoding: str, grid: dict[str, list], path: str | P
     if len(grid) != 2:
         logger.warning("sweep chart needs exactly two settings; got %s", list(grid))
         return False
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:  # pragma: no cover - optional dependency
-        logger.warning("matplotlib is not installed; no sweep chart written.")
+    plt = _pyplot("sweep")
+    if plt is None:
         return False
     (ky, ys), (kx, xs) = grid.items()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
