@@ -20,6 +20,7 @@ _LAZY = {
     "jacobi": "decoding.jacobi",
     "jacobi_forcing": "decoding.jacobi_forcing",
     "lookahead": "decoding.lookahead",
+    "prompt_lookup": "decoding.prompt_lookup",
     "speculative": "decoding.speculative",
     "DraftHead": "drafters.head",
     "DraftHeadConfig": "drafters.head",
@@ -51,6 +52,7 @@ __all__ = [
     "load_model",
     "load_tokenizer",
     "lookahead",
+    "prompt_lookup",
     "register_decoding",
     "speculative",
 ]
@@ -60,9 +62,11 @@ def _register_builtin_strategies(registry) -> None:
     from .decoding.jacobi import jacobi
     from .decoding.jacobi_forcing import jacobi_forcing
     from .decoding.lookahead import lookahead
+    from .decoding.prompt_lookup import prompt_lookup
     from .decoding.speculative import speculative
 
     registry.register_decoding("jacobi", jacobi, overwrite=True)
+    registry.register_decoding("prompt_lookup", prompt_lookup, overwrite=True)
     registry.register_decoding("speculative", speculative, overwrite=True)
     registry.register_decoding("jacobi_forcing", jacobi_forcing, overwrite=True)
     registry.register_decoding("lookahead", lookahead, overwrite=True)
@@ -87,6 +91,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .decoding.jacobi import jacobi
     from .decoding.jacobi_forcing import jacobi_forcing
     from .decoding.lookahead import lookahead
+    from .decoding.prompt_lookup import prompt_lookup
     from .decoding.speculative import speculative
     from .drafters.export import export_draft_head
     from .drafters.head import DraftHead, DraftHeadConfig

@@ -20,7 +20,7 @@ Method
     ``tree_budget.png`` (charts need matplotlib; ``report["files"]`` lists what was written).
 
 Stock peers
-    ``prompt_lookup`` and ``dflash_transformers`` run transformers' own assisted generation, which
+    ``transformers_prompt_lookup`` and ``dflash_transformers`` run transformers' own assisted generation, which
     is batch-1 only: at batch > 1 they run row by row (``sequential_rows`` in the report).
 
 What it deliberately does not do
@@ -109,13 +109,13 @@ def _dflash_assistant(model, settings: dict) -> dict:
 
 #: transformers' own speculative paths, benchmarked next to this library's strategies
 STOCK_PEERS = {
-    "prompt_lookup": StockPeer({"prompt_lookup_num_tokens": 10}),
+    "transformers_prompt_lookup": StockPeer({"prompt_lookup_num_tokens": 10}),
     "dflash_transformers": StockPeer({}, prepare=_dflash_assistant),
 }
 
 
 def parse_strategy(text: str) -> StrategySpec:
-    """``name:key=value,...``: a registered decoding, or a stock peer (``prompt_lookup``)."""
+    """``name:key=value,...``: a registered decoding, or a stock peer (``transformers_prompt_lookup``)."""
     from .registry import available_decodings
 
     name, _, rest = text.partition(":")

@@ -1,7 +1,7 @@
 """``hf-paralleldecode``: demo, benchmarks, training data, training and an environment report.
 
     hf-paralleldecode demo [--drafter default-jetspec]   # embedded model: AR vs every strategy it can run
-    hf-paralleldecode bench --strategies jacobi:block_size=16 prompt_lookup --max-new-tokens 128
+    hf-paralleldecode bench --strategies jacobi:block_size=16 transformers_prompt_lookup --max-new-tokens 128
     hf-paralleldecode sweep --decoding jacobi_forcing --grid block_size=4,8 pool_size=0,4
     hf-paralleldecode collect --prompts P.jsonl --output-dir D      # Jacobi trajectories (CLLM / Jacobi Forcing)
     hf-paralleldecode regenerate --prompts P.jsonl --output-dir D   # the model's own continuations (draft heads)
@@ -235,7 +235,7 @@ def _demo(args) -> int:
             # before -> after comparison below compares one setting, not two under one label
             demo_settings[trained_config.decoding] = dict(trained_config.settings)
     strategies = [StrategySpec(d, demo_settings.get(d, {})) for d in runnable]
-    strategies.append(StrategySpec("prompt_lookup"))  # transformers' own peer, for reference
+    strategies.append(StrategySpec("transformers_prompt_lookup"))  # transformers' own peer, for reference
     print(f"model: {name}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, "
           f"{next(model.parameters()).device}; {len(prompts)} prompts x {args.max_new_tokens} new tokens\n")
     base = _demo_part(args, model, tokenizer, name, prompts, strategies, dict(decoding="jacobi", block_size=16))

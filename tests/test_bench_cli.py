@@ -17,7 +17,8 @@ def test_parse_strategy():
     assert spec.label == "jacobi(block_size=16,jacobi_init=repeat)"
     with pytest.raises(ValueError, match="Available decodings"):
         parse_strategy("nope:block_size=2")
-    assert parse_strategy("prompt_lookup").decoding == "prompt_lookup"
+    assert parse_strategy("transformers_prompt_lookup").decoding == "transformers_prompt_lookup"  # the peer
+    assert parse_strategy("prompt_lookup").decoding == "prompt_lookup"  # this library's strategy
     with pytest.raises(ValueError, match="key=value"):
         parse_strategy("jacobi:block_size")
 
@@ -28,7 +29,7 @@ def test_benchmark_reports_every_figure_and_writes_json_and_png(tmp_path, batch_
     prompts = ["t5 t6 t7 t8", "t9 t10 t11", "t12 t13 t14 t15 t16"]
     specs = [parse_strategy("jacobi:block_size=4"), parse_strategy("jacobi:block_size=16")]
     if batch_size == 1:  # transformers' prompt lookup decoding is batch-1 only
-        specs.append(parse_strategy("prompt_lookup:prompt_lookup_num_tokens=3"))
+        specs.append(parse_strategy("transformers_prompt_lookup:prompt_lookup_num_tokens=3"))
     report = run_benchmark(model, word_tokenizer(), prompts, specs, max_new_tokens=12, repeats=2,
                            batch_size=batch_size, output_dir=tmp_path, progress=False)
     assert {"ar", "jacobi(block_size=4)", "jacobi(block_size=16)"} <= set(report["results"])
@@ -111,13 +112,13 @@ def test_batch_one_peers_run_row_by_row_and_budgets_make_a_scaling_chart(tmp_pat
     prompts = ["t5 t6 t7 t8 t5 t6", "t9 t10 t11", "t12 t13 t14 t15 t16", "t20 t21"]
     specs = [parse_strategy(s) for s in (
         f"speculative:drafter={head},tree_budget=2", f"speculative:drafter={head},tree_budget=6",
-        "prompt_lookup:prompt_lookup_num_tokens=3", f"dflash_transformers:drafter={head}")]
+        "transformers_prompt_lookup:prompt_lookup_num_tokens=3", f"dflash_transformers:drafter={head}")]
     report = run_benchmark(model, word_tokenizer(), prompts, specs, max_new_tokens=10, repeats=1, batch_size=2,
                            output_dir=tmp_path / "o", progress=False)
     res = report["results"]
     for lab, r in res.items():
         assert r["exact_match_vs_ar"] == 1.0, lab
-        assert r["sequential_rows"] == (r["decoding"] in ("prompt_lookup", "dflash_transformers"))
+        assert r["sequential_rows"] == (r["decoding"] in ("transformers_prompt_lookup", "dflash_transformers"))
     # row by row, every target forward serves one row: TPF is tokens per forward, never below 1
     assert res[f"dflash_transformers(drafter={head})"]["tpf"] >= 1.0
     series = scaling_series(report, "tree_budget")

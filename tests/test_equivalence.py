@@ -18,6 +18,13 @@ SETTINGS = {
         "G0": dict(guess_set_size=0),
         "wide": dict(window_size=8, ngram_size=5, guess_set_size=8, pool_from_prompt=False),
     },
+    "prompt_lookup": {
+        "default": dict(),
+        "chain": dict(max_matches=1),
+        "n1": dict(max_ngram_size=1, num_tokens=3),
+        "small_budget": dict(tree_budget=2),
+        "wide": dict(num_tokens=16, max_ngram_size=4, max_matches=8, tree_budget=64),
+    },
     "jacobi_forcing": {
         "default": dict(),
         "K1": dict(num_blocks=1),

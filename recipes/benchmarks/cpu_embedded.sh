@@ -19,4 +19,4 @@ hf-paralleldecode sweep --model default --num-prompts 8 --max-new-tokens 64 --re
 
 # 4. All strategies side by side, with transformers' prompt lookup decoding as the in-ecosystem peer
 hf-paralleldecode bench --model default --num-prompts 8 --max-new-tokens 96 --repeats 3 --threads "$THREADS" \
-  --strategies jacobi:block_size=16 jacobi_forcing lookahead prompt_lookup --output-dir "$OUT/strategies"
+  --strategies jacobi:block_size=16 jacobi_forcing lookahead prompt_lookup transformers_prompt_lookup --output-dir "$OUT/strategies"

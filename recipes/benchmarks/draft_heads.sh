@@ -21,14 +21,14 @@ for batch in ${BATCHES:-1 4 8}; do
     for b in $budgets; do strategies+=("speculative:drafter=$JET,tree_budget=$b,tree_waves=32"); done
   fi
   for b in $budgets; do strategies+=("speculative:drafter=$DFL,tree_budget=$b"); done
-  strategies+=("speculative:drafter=$DFL,tree_budget=8,tree_width=1" "dflash_transformers:drafter=$DFL" prompt_lookup)
+  strategies+=("speculative:drafter=$DFL,tree_budget=8,tree_width=1" "dflash_transformers:drafter=$DFL" transformers_prompt_lookup)
   hf-paralleldecode bench --model default --num-prompts "$PROMPTS" --max-new-tokens "$NEW" --repeats "$REPEATS" \
     --threads "$THREADS" --batch-size "$batch" --strategies "${strategies[@]}" --output-dir "$OUT/batch$batch"
 done
 
 # the Jacobi Forcing checkpoint's TPF on the same prompts (its own model: the heads draft for the base model)
 hf-paralleldecode bench --model default-trained --num-prompts "$PROMPTS" --max-new-tokens "$NEW" --repeats 1 \
-  --threads "$THREADS" --strategies jacobi_forcing prompt_lookup --output-dir "$OUT/jacobi_forcing"
+  --threads "$THREADS" --strategies jacobi_forcing transformers_prompt_lookup --output-dir "$OUT/jacobi_forcing"
 
 # ablations (JetSpec Table 4 / Table 6), heads trained by recipes/draft_head_tiny_cpu.yaml with
 #   --objective reverse_kl  and  --trajectories runs/dh/regen_text (regenerate --response-column continuation)
@@ -38,7 +38,7 @@ if [[ -n "${ABLATION_HEADS:-}" ]]; then
     ablation+=("speculative:drafter=$h,tree_budget=4,tree_depth=4,tree_width=1" "speculative:drafter=$h,tree_budget=64")
   done
   hf-paralleldecode bench --model default --num-prompts "$PROMPTS" --max-new-tokens "$NEW" --repeats 1 \
-    --threads "$THREADS" --strategies "${ablation[@]}" prompt_lookup --output-dir "$OUT/ablation"
+    --threads "$THREADS" --strategies "${ablation[@]}" transformers_prompt_lookup --output-dir "$OUT/ablation"
 fi
 
 python recipes/benchmarks/speedup_formula.py --threads "$THREADS" --num-prompts "$PROMPTS" --max-new-tokens "$NEW" \

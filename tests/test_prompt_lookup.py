@@ -1,0 +1,70 @@
+"""decoding="prompt_lookup": context n-gram drafting, batched, lossless; its matcher against a brute force."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from models import ForwardRecorder, RecordingStreamer, enabled, prompts, tiny_model
+
+import hf_paralleldecode as hfpd
+from hf_paralleldecode.decoding.prompt_lookup import context_candidates
+
+
+def _brute(context: list[int], num_tokens, max_ngram, max_matches):
+    out = []
+    for n in range(min(max_ngram, len(context) - 1), 0, -1):
+        suffix = context[-n:]
+        for p in range(len(context) - n - 1, -1, -1):
+            if context[p : p + n] == suffix:
+                cont = context[p + n : p + n + num_tokens]
+                if cont not in out:
+                    out.append(cont)
+    return out[:max_matches]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_matches_are_the_brute_force_ones_in_order(seed):
+    g = torch.Generator().manual_seed(seed)
+    context = torch.randint(0, 4, (40,), generator=g)
+    for num, ngram, matches in ((3, 3, 4), (1, 1, 2), (10, 5, 50)):
+        assert context_candidates(context, num, ngram, matches) == _brute(context.tolist(), num, ngram, matches)
+    assert context_candidates(torch.tensor([7]), 3, 3, 4) == []  # nothing before the suffix
+
+
+def test_repetitive_text_is_drafted_and_accepted():
+    """A prompt that repeats: the continuation is found in it and several tokens pass per forward."""
+    model = enabled("llama")
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12] * 3 + [5, 6]])
+    # make the target continue the cycle, so drafts from the prompt are right
+    free = model.generate(input_ids=ids, max_new_tokens=12, do_sample=False, eos_token_id=None, decoding="stock")
+    out = model.generate(input_ids=ids, max_new_tokens=12, do_sample=False, eos_token_id=None,
+                         decoding="prompt_lookup", return_dict_in_generate=True)
+    assert torch.equal(out.sequences, free)
+    assert out.stats["matched_step_share"] > 0
+
+
+def test_batch_streamer_and_one_forward_per_step():
+    model = enabled("qwen2")
+    ids, mask = prompts(3)
+    ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False)
+    rec, streamer = ForwardRecorder(model), RecordingStreamer()
+    try:
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False,
+                             decoding="prompt_lookup", streamer=streamer, return_dict_in_generate=True)
+    finally:
+        rec.restore()
+    assert torch.equal(out.sequences, ref)
+    assert out.num_forward_passes == len(rec.calls)
+    assert streamer.ended == 1 and torch.equal(torch.cat([v.reshape(3, -1) for v in streamer.values], 1), ref)
+
+
+@pytest.mark.parametrize("settings, match", [
+    (dict(num_tokens=0), "num_tokens"), (dict(max_ngram_size=0), "max_ngram_size"),
+    (dict(max_matches=0), "max_matches"), (dict(tree_budget=1.5), "tree_budget"),
+])
+def test_bad_settings_are_refused_before_any_forward(settings, match):
+    model = hfpd.enable(tiny_model("llama"))
+    with pytest.raises(ValueError, match=match):
+        model.generate(input_ids=torch.tensor([[5, 6]]), max_new_tokens=4, decoding="prompt_lookup", **settings)
+    with pytest.raises(ValueError, match=match):
+        hfpd.ParallelDecodingConfig("prompt_lookup", settings)
