@@ -125,17 +125,20 @@ def tree_from_parents(
     batch = roots.shape[0]
     width = max(map(len, rows_tokens))
     device = roots.device
-    tokens = roots[:, None].repeat(1, width)
-    parents = torch.full((batch, width), -1, dtype=torch.long, device=device)
-    depth = torch.zeros((batch, width), dtype=torch.long, device=device)
+    root_list = roots.tolist()
+    pad = [width - len(t) for t in rows_tokens]
+    # one host-to-device copy per field; filler nodes: the row's root token, no parent, depth 0
+    tokens = torch.tensor([list(t) + [r] * k for t, r, k in zip(rows_tokens, root_list, pad)], device=device)
+    parents = torch.tensor([list(p) + [-1] * k for p, k in zip(rows_parents, pad)], device=device)
+    depth = torch.tensor([list(d) + [0] * k for d, k in zip(rows_depth, pad)], device=device)
+    # ancestor-or-self mask by pointer jumping along parents: one vectorised pass per tree level
     mask = torch.eye(width, dtype=torch.bool, device=device).repeat(batch, 1, 1)
-    for b in range(batch):
-        n = len(rows_tokens[b])
-        tokens[b, :n] = torch.tensor(rows_tokens[b], device=device)
-        parents[b, :n] = torch.tensor(rows_parents[b], device=device)
-        depth[b, :n] = torch.tensor(rows_depth[b], device=device)
-        for node in range(1, n):  # parents precede children: copy the parent's row, add self
-            mask[b, node] = mask[b, rows_parents[b][node]]
-            mask[b, node, node] = True
+    cur = parents
+    rows = torch.arange(batch, device=device)[:, None].expand(-1, width)
+    cols = torch.arange(width, device=device)[None].expand(batch, -1)
+    for _ in range(int(depth.max()) if width > 1 else 0):
+        valid = cur >= 0
+        mask[rows[valid], cols[valid], cur[valid]] = True
+        cur = torch.where(valid, parents.gather(1, cur.clamp(min=0)), cur)
     num_nodes = torch.tensor([len(t) for t in rows_tokens], device=device)
     return PackedTree(tokens, parents, depth, num_nodes, mask, q=q)
