@@ -422,6 +422,14 @@ def _pyplot(chart: str):
     return plt
 
 
+def _save(plt, fig, path) -> bool:
+    """Lay out, write and close a chart; True (it was written)."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def plot_report(report: dict, path: str | Path) -> bool:
     """Bar charts of tokens/s, TPF and loop overhead per strategy (needs matplotlib: ``[bench]`` extra)."""
     plt = _pyplot("bench")
@@ -445,10 +453,7 @@ def plot_report(report: dict, path: str | Path) -> bool:
             ax.annotate(fmt.format(v), (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom", fontsize=7)
     fig.suptitle(f"{report['model']} on {report['device']} ({report['dtype']}), batch {report['batch_size']}, "
                  f"{report['max_new_tokens']} new tokens", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    return _save(plt, fig, path)
 
 
 def scaling_series(report: dict, key: str) -> dict[str, list[tuple]]:
@@ -486,10 +491,7 @@ def plot_scaling(report: dict, key: str, path: str | Path) -> bool:
     axes[0].legend(fontsize=7)
     fig.suptitle(f"{report['model']} on {report['device']} ({report['dtype']}), batch {report['batch_size']}, "
                  f"{report['prompts']} prompts x {report['max_new_tokens']} new tokens", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    return _save(plt, fig, path)
 
 
 def format_report(report: dict) -> str:
@@ -538,8 +540,5 @@ def plot_sweep(report: dict, decoding: str, grid: dict[str, list], path: str | P
         fig.colorbar(im, ax=ax)
     ar = report["results"]["ar"]
     fig.suptitle(f"{report['model']} on {report['device']}; AR: {ar['tokens_per_second']:.1f} tokens/s", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    return _save(plt, fig, path)
 

@@ -183,11 +183,14 @@ def _regenerate(args) -> int:
     from .prompts import read_prompts
     from .training.regenerate import regenerate
 
-    read_prompts(args.prompts, args.prompt_column)  # bad input fails before the model loads
-    if args.response_column:
-        read_prompts(args.prompts, args.response_column)
+    prompts = read_prompts(args.prompts, args.prompt_column)  # bad input fails before the model loads
+    if args.response_column:  # the file is read once: both columns go on as a dataset
+        import datasets
+
+        prompts = datasets.Dataset.from_dict({args.prompt_column: prompts,
+                                              args.response_column: read_prompts(args.prompts, args.response_column)})
     model, tokenizer, _ = _load(args)
-    ds = regenerate(model, tokenizer, args.prompts, args.output_dir, max_new_tokens=args.max_new_tokens,
+    ds = regenerate(model, tokenizer, prompts, args.output_dir, max_new_tokens=args.max_new_tokens,
                     batch_size=args.batch_size, prompt_column=args.prompt_column, do_sample=args.do_sample,
                     temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                     response_column=args.response_column)

@@ -59,7 +59,7 @@ def process_block(
     histories: list[torch.Tensor],  # per active row: padded prompt + committed tokens (ends with the root)
     rows: torch.Tensor,  # [active] index of each active row in the original batch
     batch_size: int,  # rows of the original batch (what processors were built for)
-    placeholder=None,  # (row, length) -> that row's own prefix of that length, for the rows not in a call
+    placeholder,  # (row, length) -> that row's own prefix of that length, for the rows not in a call
 ) -> torch.Tensor:
     """Return processed scores ``[active, nodes, vocab]``; filler nodes are left unprocessed.
 
@@ -107,7 +107,7 @@ def process_prefixes(
     prefixes: list[torch.Tensor],  # per position: the ids stock generation would pass (padded prompt + tokens)
     rows: list[int],  # per position: its row in the original batch
     batch_size: int,  # rows of the original batch (what processors were built for)
-    placeholder=None,  # (row, length) -> that row's own prefix of that length (see below)
+    placeholder,  # (row, length) -> that row's own prefix of that length (see below)
 ) -> torch.Tensor:
     """Processed ``[n, vocab]``: each position as stock would score it, given its own prefix.
 
@@ -116,7 +116,7 @@ def process_prefixes(
     rows are placeholders whose output is discarded), so processors see exactly the layout stock
     generation gives them, batch-indexed state included. A placeholder row carries
     ``placeholder(row, length)``, its own prefix (a processor such as ``prefix_allowed_tokens_fn``
-    may refuse another row's); without it, a participating row's prefix. Two positions of one row
+    may refuse another row's). Two positions of one row
     with the same prefix length go to separate calls.
     """
     if not logits_processor:
@@ -137,10 +137,7 @@ def process_prefixes(
     for call in calls:
         k0 = next(iter(call.values()))
         length = prefixes[k0].shape[0]
-        if placeholder is None:
-            ids = prefixes[k0].expand(batch_size, length).clone()
-        else:
-            ids = torch.stack([prefixes[call[r]] if r in call else placeholder(r, length) for r in range(batch_size)])
+        ids = torch.stack([prefixes[call[r]] if r in call else placeholder(r, length) for r in range(batch_size)])
         scores = logits[k0].expand(batch_size, vocab).clone()
         for row, k in call.items():
             ids[row] = prefixes[k]

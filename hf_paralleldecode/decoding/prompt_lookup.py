@@ -80,7 +80,7 @@ class ContextNgramProposer(Proposer):
             room = int(log.max_new_tokens) - counts[i]  # a depth-d path commits d + 1 tokens
             found = context_candidates(context, min(self.num_tokens, room), self.max_ngram, self.max_matches)
             roots.append(int(tokens[i, counts[i] - 1]))
-            cands.append([c for c in found if c])
+            cands.append(found)  # every match has a continuation: no empty candidate
             self.steps += 1
             self.matched += bool(cands[-1])
         return pack_trees(torch.tensor(roots, device=rows.device), cands, max_nodes=self.budget + 1)

@@ -142,10 +142,10 @@ class _HeadContext:
 
 
 class DraftHeadProposer(Proposer):
-    def __init__(self, run, head, taps, budget, width, depth, waves=None):
+    def __init__(self, run, head, taps, budget, width, depth, waves):
         self.run, self.head, self.taps = run, head, taps
         self.budget, self.width, self.depth = budget, width, depth
-        self.waves = waves or depth  # causal head: forwards per step at most
+        self.waves = waves  # causal head: forwards per step at most
         self.sample = bool(run.generation_config.do_sample)
         self.causal = head.config.attention == "tree_causal"
         self.mask_id = head.config.mask_token_id
@@ -365,12 +365,13 @@ def speculative(
     if drafter.device != model.device or drafter.dtype != model.dtype:
         drafter.to(device=model.device, dtype=model.dtype)
     drafter.bind(model)
+    waves = tree_waves or depth
     with HiddenStateTaps(model, drafter.config.target_layer_ids) as taps:  # hooks removed on exit
         return decode(
             model, "speculative",
-            lambda run: DraftHeadProposer(run, drafter, taps, tree_budget, tree_width, depth, tree_waves or depth),
+            lambda run: DraftHeadProposer(run, drafter, taps, tree_budget, tree_width, depth, waves),
             input_ids, logits_processor, stopping_criteria, generation_config, streamer, model_kwargs,
             dict(tree_budget=tree_budget, tree_width=tree_width, tree_depth=depth, head=drafter.config.attention,
-                 **({"tree_waves": tree_waves or depth} if drafter.config.attention == "tree_causal" else {})),
+                 **({"tree_waves": waves} if drafter.config.attention == "tree_causal" else {})),
             pd_streamer=pd_streamer,
         )
