@@ -391,6 +391,8 @@ def run_benchmark(
             ) if all(a["decode_tokens"] > 0 for a in ar) else None,
             exact_match_vs_ar=(matches[lab][0] / matches[lab][1]) if lab != "ar" else 1.0,
             loop_overhead=med(1.0 - r["forward_seconds"] / r["seconds"] for r in runs),
+            # host time (everything but the target forwards) per decoding step, in milliseconds
+            host_ms_per_step=med(1e3 * (r["seconds"] - r["forward_seconds"]) / max(r["forwards"], 1) for r in runs),
             forward_passes=med(r["forwards"] for r in runs),
             generated_tokens=med(r["tokens"] for r in runs),
             seconds=med(r["seconds"] for r in runs),
@@ -437,12 +439,14 @@ def plot_report(report: dict, path: str | Path) -> bool:
         return False
     labels = list(report["results"])
     res = report["results"]
-    fig, axes = plt.subplots(1, 3, figsize=(4 + 2.2 * len(labels), 4))
     panels = [
         ("tokens_per_second", "tokens/s (end to end)"),
         ("tpf", "tokens per forward (TPF)"),
         ("loop_overhead", "time outside forward (share)"),
+        ("host_ms_per_step", "host time per step (ms)"),
     ]
+    panels = [(k, t) for k, t in panels if all(k in res[lab] for lab in labels)]  # older reports lack a column
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 + 2.9 * len(labels), 4))
     for ax, (key, title) in zip(axes, panels):
         values = [res[lab][key] for lab in labels]
         bars = ax.bar(range(len(labels)), values, color=["#888888"] + ["#3b75af"] * (len(labels) - 1))
@@ -497,12 +501,14 @@ def plot_scaling(report: dict, key: str, path: str | Path) -> bool:
 def format_report(report: dict) -> str:
     """The results as a text table; the first column is as wide as the longest label."""
     w = max(12, *(len(lab) for lab in report["results"])) + 2
-    head = f"{'strategy':<{w}}{'TPF':>6}{'tok/s':>9}{'dec tok/s':>11}{'speedup':>9}{'exact':>7}{'overhead':>10}"
+    head = (f"{'strategy':<{w}}{'TPF':>6}{'tok/s':>9}{'dec tok/s':>11}{'speedup':>9}{'exact':>7}{'overhead':>10}"
+            f"{'host ms/step':>14}")
     lines = [head, "-" * len(head)]
     for lab, r in report["results"].items():
         lines.append(
             f"{lab:<{w}}{r['tpf']:>6.2f}{r['tokens_per_second']:>9.1f}{r['decode_tokens_per_second']:>11.1f}"
             f"{r['speedup_vs_ar']:>8.2f}x{r['exact_match_vs_ar']:>7.0%}{r['loop_overhead']:>10.1%}"
+            f"{r.get('host_ms_per_step', float('nan')):>14.2f}"
         )
     return "\n".join(lines)
 

@@ -97,3 +97,73 @@ def test_tree_verifier_is_lossless_and_accepts_whole_branches(arch, kwargs):
 def test_pack_trees_reports_the_node_of_every_candidate_token():
     tree = pack_trees(torch.tensor([7]), [[[1, 2, 3], [1, 2, 4], [5, 6]]], max_nodes=6)
     assert tree.candidate_nodes == [[[1, 2, 3], [1, 2, 4], [5]]]  # [5, 6] truncated by the budget
+
+
+def _reference_trie(root, candidates, max_nodes):
+    """Candidates inserted one by one into a trie, stopping at the budget (what pack_trees must equal)."""
+    toks, pars, deps, children, cand_nodes = [root], [-1], [0], {}, []
+    for cand in candidates:
+        node, nodes = 0, []
+        for t in cand:
+            if (node, t) not in children:
+                if max_nodes is not None and len(toks) >= max_nodes:
+                    break
+                children[(node, t)] = len(toks)
+                toks.append(t), pars.append(node), deps.append(deps[node] + 1)
+            node = children[(node, t)]
+            nodes.append(node)
+        cand_nodes.append(nodes)
+    return toks, pars, deps, cand_nodes
+
+
+def test_vectorised_packing_equals_sequential_trie_insertion():
+    import random
+
+    rng = random.Random(0)
+    for _ in range(200):
+        batch = rng.randint(1, 4)
+        cands = [[[rng.randrange(3) for _ in range(rng.randint(0, 6))] for _ in range(rng.randint(0, 5))]
+                 for _ in range(batch)]
+        roots = torch.tensor([rng.randrange(9) for _ in range(batch)])
+        budget = rng.choice([None, 1, 2, 3, 5, 8])
+        tree = pack_trees(roots, cands, budget)
+        walk, num = walk_tree(tree, torch.randint(0, 3, tree.tokens.shape))  # runs on every shape
+        assert walk.shape == (batch, tree.max_depth + 1) and num.shape == (batch,)
+        for b in range(batch):
+            toks, pars, deps, cand_nodes = _reference_trie(int(roots[b]), cands[b], budget)
+            n = len(toks)
+            assert int(tree.num_nodes[b]) == n
+            assert (tree.tokens[b, :n].tolist(), tree.parents[b, :n].tolist(), tree.depth[b, :n].tolist()) == (
+                toks, pars, deps)
+            assert tree.candidate_nodes[b] == cand_nodes + [[]] * (len(tree.candidate_nodes[b]) - len(cand_nodes))
+            assert (tree.parents[b, n:] == -1).all() and (tree.tokens[b, n:] == roots[b]).all()
+            for i in range(tree.width):
+                seen, j = {i}, i
+                while i < n and pars[j] >= 0:
+                    j = pars[j]
+                    seen.add(j)
+                assert set(tree.mask[b, i].nonzero().flatten().tolist()) == seen
+        assert tree.max_depth == int(tree.depth.max())
+
+
+def test_vectorised_walk_equals_a_per_depth_walk():
+    import random
+
+    rng = random.Random(1)
+    for _ in range(200):
+        cands = [[[rng.randrange(3) for _ in range(rng.randint(0, 5))] for _ in range(rng.randint(0, 4))]
+                 for _ in range(3)]
+        tree = pack_trees(torch.tensor([0, 1, 2]), cands)
+        choices = torch.randint(0, 3, tree.tokens.shape)
+        path, num = walk_tree(tree, choices)
+        for b in range(3):
+            node, expect = 0, [0]
+            while True:
+                kids = [v for v in range(int(tree.num_nodes[b])) if int(tree.parents[b, v]) == node
+                        and int(tree.tokens[b, v]) == int(choices[b, node])]
+                if not kids:
+                    break
+                node = kids[0]
+                expect.append(node)
+            assert int(num[b]) == len(expect) - 1
+            assert path[b, : len(expect)].tolist() == expect and (path[b, len(expect):] == -1).all()

@@ -202,13 +202,13 @@ class DecodeRun:
         (CPU) makes the draw reproducible.
         """
         rows = self.rows
-        gen_mask = torch.arange(self.log.max_new_tokens, device=rows.device)[None] < self.log.count[rows][:, None]
-        context = torch.cat([self.prompt[rows], self.log.tokens[rows]], dim=1)
-        valid = torch.cat([self.prompt_mask[rows], gen_mask], dim=1)
-        order = (~valid).long().argsort(dim=1, stable=True)  # valid positions first, in order
+        plen = self.prompt_lengths[rows]
         u = torch.rand(rows.shape[0], k, generator=generator).to(rows.device)
-        pick = (u * valid.sum(1)[:, None]).long().clamp(max=context.shape[1] - 1)
-        return context.gather(1, order.gather(1, pick))
+        pick = (u * (plen + self.log.count[rows])[:, None]).long()  # index into [valid prompt tokens, committed]
+        width = self.prompt.shape[1]
+        index = torch.where(pick < plen[:, None], pick, width + pick - plen[:, None])
+        context = torch.cat([self.packed_prompt[rows], self.log.tokens[rows]], dim=1)
+        return context.gather(1, index.clamp(max=context.shape[1] - 1))
 
     # ---- row management -------------------------------------------------------------------------
     def drop_finished(self) -> torch.Tensor | None:
@@ -286,6 +286,9 @@ def start(
     run = DecodeRun(model, name, input_ids, generation_config, logits_processor, log, slots, rows)
     run.target.token_type_ids = token_types
     run.prompt_mask = attention_mask.bool()  # [batch, prompt_len]
+    # each row's real prompt tokens moved to the front, in order (what sample_context draws from)
+    run.packed_prompt = input_ids.gather(1, (~run.prompt_mask).long().argsort(dim=1, stable=True))
+    run.prompt_lengths = run.prompt_mask.long().sum(1)  # [batch]
     run.prompt_positions = position_ids  # [batch, prompt_len]
     # Stock generation continues each row's position ids from the prompt's last one; with left
     # padding that equals the number of real tokens, in general it is offset from it.

@@ -130,11 +130,13 @@ class SlotCache:
         counts = keep.sum(1)  # [batch]
         cols = torch.arange(width, device=keep.device)
         as_prefix = cols[None, :] < counts[:, None]
-        if not torch.equal(keep, as_prefix):
+        # one host read for the three decisions below
+        scattered, last, longest = torch.stack(
+            [(keep != as_prefix).any().long(), counts.max(), (self.num_valid + counts).max()]).tolist() if counts.numel() else (0, 0, 0)
+        if scattered:
             order = (~keep).long().argsort(dim=1, stable=True)  # kept slots first, in order
             self._regather(order, start=self.num_slots)
             keep = as_prefix
-        last = int(counts.max()) if counts.numel() else 0
         if last < width:
             self.cache.crop(-(width - last))
         self.valid = torch.cat([self.valid, keep[:, :last]], dim=1)
@@ -142,7 +144,7 @@ class SlotCache:
             raise RuntimeError(
                 f"KV cache length {self.cache.get_seq_length()} out of sync with {self.num_slots} tracked slots."
             )
-        if self._holes_worth_compacting():
+        if self._holes_worth_compacting(longest):
             self.compact()
 
     def _regather(self, index: torch.Tensor, start: int = 0) -> None:
@@ -164,8 +166,7 @@ class SlotCache:
         self.cache.batch_select_indices(rows)
         self.valid = self.valid[rows]
 
-    def _holes_worth_compacting(self) -> bool:
-        longest = int(self.num_valid.max()) if self.valid.shape[0] else 0
+    def _holes_worth_compacting(self, longest: int) -> bool:
         return self.num_slots - longest > max(self.compact_min_holes, self.compact_ratio * longest)
 
     def compact(self) -> None:

@@ -51,7 +51,8 @@ class CommitLog:
             raise ValueError("`pad_token_id` must be set when `eos_token_id` is, to pad rows that finished early.")
         device = input_ids.device
         self.sequences = input_ids
-        self.tokens = torch.zeros(batch, self.max_new_tokens, dtype=torch.long, device=device)
+        # committed tokens; the columns past max_new_tokens take the uncommitted tail of each write
+        self._token_buf = torch.zeros(batch, self.max_new_tokens + 64, dtype=torch.long, device=device)
         self.count = torch.zeros(batch, dtype=torch.long, device=device)
         self.first_eos = torch.full((batch,), self.max_new_tokens, dtype=torch.long, device=device)
         self.unfinished = torch.ones(batch, dtype=torch.bool, device=device)
@@ -63,6 +64,11 @@ class CommitLog:
         self._score_buf = self._logit_buf = None
         if streamer is not None and not prompt_streamed:
             streamer.put(input_ids.cpu())
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        """``[batch, max_new_tokens]`` committed tokens (row ``r``'s first ``count[r]`` are valid)."""
+        return self._token_buf[:, : self.max_new_tokens]
 
     @property
     def batch_size(self) -> int:
@@ -84,7 +90,11 @@ class CommitLog:
         take = cols[None, :] < num_new[:, None]  # [active, width]
         pos = start[:, None] + cols[None, :]
         row_idx = rows[:, None].expand_as(pos)
-        self.tokens[row_idx[take], pos[take]] = new_tokens[take]
+        if self._token_buf.shape[1] < self.max_new_tokens + width:
+            spare = self._token_buf.new_zeros(self._token_buf.shape[0], self.max_new_tokens + width - self._token_buf.shape[1])
+            self._token_buf = torch.cat([self._token_buf, spare], dim=1)
+        # one write without a host sync: tokens not taken land in the spare columns (distinct per column)
+        self._token_buf[row_idx, torch.where(take, pos, self.max_new_tokens + cols)] = new_tokens
         self._buffer("_score_buf", self.scores, scores, row_idx, pos, take)
         self._buffer("_logit_buf", self.logits, logits, row_idx, pos, take)
         if self.eos_ids is not None:

@@ -148,9 +148,8 @@ class MultiblockProposer(Proposer):
             # Jacobi update of the rest of the chain; recycle its n-grams
             bonus = committed[i][a - 1]
             new_chain = [bonus] + update[a : len(nodes) - 1]
-            if self.pool_size:
-                for j in range(1, len(new_chain) - 1):  # tail n-grams are shorter, never empty
-                    self.pool.add(r, new_chain[j], new_chain[j + 1 : j + self.ngram])
+            if self.pool_size:  # tail n-grams are shorter, never empty
+                self.pool.add_windows(r, new_chain, self.ngram, start=1)
             self.chain[r] = new_chain
             self.root_pos[r] = root_pos
             ends = [e for e in ends if e > root_pos]

@@ -37,6 +37,24 @@ class NgramPool:
         for i in range(len(tokens) - n + 1):
             self.add(row, tokens[i], tokens[i + 1 : i + n])
 
+    def add_windows(self, row: int, tokens: Sequence[int], n: int, start: int = 0) -> None:
+        """``add(row, tokens[j], tokens[j + 1 : j + n])`` for every ``j >= start`` with a non-empty
+        continuation, in order (tail windows are shorter). ``tokens`` must hold Python ints; this is
+        the per-step hot path of rejection recycling, so it avoids per-token conversions."""
+        if self.max_per_key <= 0:
+            return
+        pool, cap = self._pools[row], self.max_per_key
+        seq = tuple(tokens)
+        for j in range(start, len(seq) - 1):
+            entries = pool.get(seq[j])
+            if entries is None:
+                entries = pool[seq[j]] = OrderedDict()
+            cont = seq[j + 1 : j + n]
+            entries.pop(cont, None)
+            entries[cont] = None
+            if len(entries) > cap:
+                entries.popitem(last=False)
+
     def get(self, row: int, key: int, limit: int | None = None) -> list[tuple[int, ...]]:
         """Continuations stored under ``key``, most recently used first."""
         entries = self._pools[row].get(int(key))

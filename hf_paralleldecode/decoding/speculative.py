@@ -131,7 +131,7 @@ class _HeadContext:
         if self.block:
             self.slots.cache.crop(-self.block)
             self.block = 0
-        if self.slots._holes_worth_compacting():
+        if self.slots.valid.shape[0] and self.slots._holes_worth_compacting(int(self.slots.num_valid.max())):
             self.slots.compact()
 
     def select_rows(self, keep):

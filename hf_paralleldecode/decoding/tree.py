@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["PackedTree", "pack_trees", "chain_tree", "tree_from_parents"]
+__all__ = ["PackedTree", "pack_trees", "pack_candidates", "chain_tree", "tree_from_parents", "ancestor_mask"]
 
 
 @dataclass
@@ -36,8 +36,26 @@ class PackedTree:
     num_nodes: torch.Tensor  # [batch] real nodes; the rest are filler
     mask: torch.Tensor  # [batch, nodes, nodes] bool: node i attends to node j (ancestor or self)
     is_chain: bool = False  # every row is a single path laid out in order (a Jacobi block)
-    candidate_nodes: list[list[list[int]]] | None = None  # per row, per candidate: node of each token
+    candidate_index: torch.Tensor | None = None  # [batch, candidates, length] node of each candidate token, -1 if absent
     q: torch.Tensor | None = None  # [batch, nodes, vocab] draft probabilities each node's children were drawn from
+    _max_depth: int | None = None  # see max_depth
+    _candidate_nodes: list | None = None  # see candidate_nodes
+
+    @property
+    def candidate_nodes(self) -> list[list[list[int]]] | None:
+        """Per row, per candidate: the node of each inserted token (``candidate_index`` as lists)."""
+        if self.candidate_index is None:
+            return None
+        if self._candidate_nodes is None:
+            self._candidate_nodes = [[[n for n in cand if n >= 0] for cand in row] for row in self.candidate_index.tolist()]
+        return self._candidate_nodes
+
+    @property
+    def max_depth(self) -> int:
+        """Deepest node's depth (a host integer, known when the tree is built; no device sync)."""
+        if self._max_depth is None:
+            self._max_depth = int(self.depth.max()) if self.depth.numel() else 0
+        return self._max_depth
 
     @property
     def width(self) -> int:
@@ -66,7 +84,7 @@ def chain_tree(tokens: torch.Tensor, widths: torch.Tensor) -> PackedTree:
     depth = torch.where(real, idx[None], 0).expand(batch, width)
     mask = torch.ones(width, width, dtype=torch.bool, device=tokens.device).tril()[None].expand(batch, -1, -1)
     # filler positions come after the real ones, so the plain causal mask never lets a real node see one
-    return PackedTree(tokens, parents, depth, widths, mask, is_chain=True)
+    return PackedTree(tokens, parents, depth, widths, mask, is_chain=True, _max_depth=width - 1)
 
 
 def pack_trees(
@@ -79,39 +97,75 @@ def pack_trees(
     Candidates are inserted in the order given until the node budget is spent (a candidate that
     does not fit is truncated), so put the most promising first. ``candidate_nodes[row][k]`` lists
     the node holding each (inserted) token of candidate ``k``, e.g. to read a lookahead column's
-    logits.
+    logits (``candidate_index`` holds the same as a tensor). The lists are padded into one tensor
+    and merged by :func:`pack_candidates`.
     """
-    if max_nodes is not None and max_nodes < 1:
-        raise ValueError(f"max_nodes must be >= 1, got {max_nodes}.")
     batch = roots.shape[0]
     if len(candidates) != batch:
         raise ValueError(f"Got candidates for {len(candidates)} rows, expected {batch}.")
-    rows_tokens, rows_parents, rows_depth, rows_nodes = [], [], [], []
-    for b in range(batch):
-        toks, pars, deps = [int(roots[b])], [-1], [0]
-        children: dict[tuple[int, int], int] = {}
-        cand_nodes = []
-        for cand in candidates[b]:
-            node, nodes = 0, []
-            for tok in cand:
-                key = (node, int(tok))
-                if key not in children:
-                    if max_nodes is not None and len(toks) >= max_nodes:
-                        break
-                    children[key] = len(toks)
-                    toks.append(int(tok))
-                    pars.append(node)
-                    deps.append(deps[node] + 1)
-                node = children[key]
-                nodes.append(node)
-            cand_nodes.append(nodes)
-        rows_nodes.append(cand_nodes)
-        rows_tokens.append(toks)
-        rows_parents.append(pars)
-        rows_depth.append(deps)
-    tree = tree_from_parents(roots, rows_tokens, rows_parents, rows_depth)
-    tree.candidate_nodes = rows_nodes
-    return tree
+    num = max((len(c) for c in candidates), default=0)
+    longest = max((len(x) for c in candidates for x in c), default=0)
+    lengths = [[len(x) for x in c] + [0] * (num - len(c)) for c in candidates]
+    padded = [[list(x) + [0] * (longest - len(x)) for x in c] + [[0] * longest] * (num - len(c)) for c in candidates]
+    device = roots.device
+    return pack_candidates(roots, torch.tensor(padded, dtype=torch.long, device=device).reshape(batch, num, longest),
+                           torch.tensor(lengths, dtype=torch.long, device=device).reshape(batch, num), max_nodes)
+
+
+def pack_candidates(
+    roots: torch.Tensor,  # [batch] last committed token of each row
+    tokens: torch.Tensor,  # [batch, num, length] candidate continuations, padded
+    lengths: torch.Tensor,  # [batch, num] real tokens of each candidate (0 = no candidate)
+    max_nodes: int | None = None,  # node budget per row, root included (None = no limit)
+) -> PackedTree:
+    """:func:`pack_trees` on padded tensors, with no per-token Python: the trie comes from prefix equality.
+
+    Token ``l`` of candidate ``m`` lives in the node of the first candidate ``m' <= m`` that agrees
+    with it on tokens ``0..l`` (its *owner*); a node is new when a candidate owns it. New nodes are
+    numbered in insertion order (candidate by candidate, token by token), which is topological,
+    and the first ``max_nodes - 1`` of them are kept: exactly what inserting the candidates one by
+    one into a trie, stopping at the budget, gives.
+    """
+    if max_nodes is not None and max_nodes < 1:
+        raise ValueError(f"max_nodes must be >= 1, got {max_nodes}.")
+    batch, num, length = tokens.shape
+    device = tokens.device
+    if num == 0 or length == 0:  # nothing to draft: the root alone
+        empty = torch.zeros((batch, 1), dtype=torch.long, device=device)
+        return PackedTree(roots[:, None].clone(), empty - 1, empty, empty[:, 0] + 1,
+                          torch.ones((batch, 1, 1), dtype=torch.bool, device=device),
+                          candidate_index=tokens.new_full((batch, num, length), -1), _max_depth=0)
+    pos = torch.arange(length, device=device)
+    valid = pos[None, None] < lengths[..., None]  # [batch, num, length]
+    # same[b, m, k, l]: candidates m and k agree on tokens 0..l (both long enough)
+    agree = (tokens[:, :, None] == tokens[:, None]) & valid[:, :, None] & valid[:, None]
+    same = agree.long().cummin(dim=-1).values.bool()
+    owner = same.long().argmax(dim=2)  # [batch, num, length] first candidate holding this prefix
+    fresh = valid & (owner == torch.arange(num, device=device)[None, :, None])
+    ids = fresh.reshape(batch, -1).long().cumsum(1).reshape(batch, num, length)  # node id of each fresh token
+    if max_nodes is not None:
+        fresh &= ids < max_nodes
+    ids = torch.where(fresh, ids, -1)
+    node = ids.gather(1, owner)  # [batch, num, length] node of each candidate token (-1: cut by the budget)
+    node = torch.where(valid, node, -1)
+    width = int(fresh.sum((1, 2)).max()) + 1 if fresh.numel() else 1
+    # scatter the fresh nodes into the packed layout; column `width` collects everything else
+    slot = torch.where(fresh, ids, width).reshape(batch, -1)
+    parent_of = torch.cat([torch.zeros_like(node[..., :1]), node[..., :-1]], dim=-1)  # token l's parent: node of l-1
+    flat_rows = torch.arange(batch, device=device)[:, None]
+    out_tokens = roots[:, None].repeat(1, width + 1)
+    out_tokens[flat_rows, slot] = tokens.reshape(batch, -1)
+    out_parents = torch.full((batch, width + 1), -1, dtype=torch.long, device=device)
+    out_parents[flat_rows, slot] = parent_of.reshape(batch, -1)
+    out_depth = torch.zeros((batch, width + 1), dtype=torch.long, device=device)
+    out_depth[flat_rows, slot] = (pos + 1).expand(batch, num, length).reshape(batch, -1)
+    out_tokens, out_parents, out_depth = out_tokens[:, :width], out_parents[:, :width], out_depth[:, :width]
+    out_parents[:, 0] = -1
+    out_depth[:, 0] = 0
+    max_depth = int(torch.where(node >= 0, pos + 1, 0).max()) if node.numel() else 0
+    num_nodes = fresh.sum((1, 2)) + 1
+    return PackedTree(out_tokens, out_parents, out_depth, num_nodes, ancestor_mask(out_parents, max_depth),
+                      candidate_index=node, _max_depth=max_depth)
 
 
 def tree_from_parents(
@@ -122,7 +176,6 @@ def tree_from_parents(
     q: torch.Tensor | None = None,
 ) -> PackedTree:
     """Pack per-row node lists (already in topological order) into one :class:`PackedTree`."""
-    batch = roots.shape[0]
     width = max(map(len, rows_tokens))
     device = roots.device
     root_list = roots.tolist()
@@ -131,14 +184,27 @@ def tree_from_parents(
     tokens = torch.tensor([list(t) + [r] * k for t, r, k in zip(rows_tokens, root_list, pad)], device=device)
     parents = torch.tensor([list(p) + [-1] * k for p, k in zip(rows_parents, pad)], device=device)
     depth = torch.tensor([list(d) + [0] * k for d, k in zip(rows_depth, pad)], device=device)
-    # ancestor-or-self mask by pointer jumping along parents: one vectorised pass per tree level
-    mask = torch.eye(width, dtype=torch.bool, device=device).repeat(batch, 1, 1)
-    cur = parents
-    rows = torch.arange(batch, device=device)[:, None].expand(-1, width)
-    cols = torch.arange(width, device=device)[None].expand(batch, -1)
-    for _ in range(int(depth.max()) if width > 1 else 0):
-        valid = cur >= 0
-        mask[rows[valid], cols[valid], cur[valid]] = True
-        cur = torch.where(valid, parents.gather(1, cur.clamp(min=0)), cur)
-    num_nodes = torch.tensor([len(t) for t in rows_tokens], device=device)
-    return PackedTree(tokens, parents, depth, num_nodes, mask, q=q)
+    max_depth = max((max(d) for d in rows_depth if len(d)), default=0)
+    return PackedTree(tokens, parents, depth, torch.tensor([len(t) for t in rows_tokens], device=device),
+                      ancestor_mask(parents, max_depth), q=q, _max_depth=max_depth)
+
+
+def ancestor_mask(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """``[batch, nodes, nodes]`` bool, node ``i`` sees node ``j`` iff ``j`` is ``i`` or an ancestor of it.
+
+    Pointer doubling: after round ``k`` every row holds its ancestors up to distance ``2**k``, so
+    ``ceil(log2(max_depth))`` rounds of one gather each (no host sync, no per-node work).
+    ``parents`` is ``[batch, nodes]`` with ``-1`` for the root and filler nodes.
+    """
+    batch, width = parents.shape
+    self_idx = torch.arange(width, device=parents.device).expand(batch, -1)
+    jump = torch.where(parents >= 0, parents, self_idx)  # roots and filler point at themselves
+    cols = torch.arange(width, device=parents.device)
+    mask = (jump[..., None] == cols) | (self_idx[..., None] == cols)  # self and parent
+    rows = torch.arange(batch, device=parents.device)[:, None]
+    reach = 1
+    while reach < max_depth:
+        mask |= mask[rows, jump]  # row gather: an index of batch x nodes, not batch x nodes x nodes
+        jump = jump.gather(1, jump)
+        reach *= 2
+    return mask

@@ -85,22 +85,20 @@ def walk_tree(tree, choices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         num = match_prefix(tree.tokens[:, 1:], choices[:, :-1], tree.num_nodes - 1)
         idx = torch.arange(tree.width, device=device)[None]
         return torch.where(idx <= num[:, None], idx, -1), num
+    # A node is accepted when its token and every ancestor's token (below the root) equal the target's
+    # choice after their parent: one pass over the ancestor-or-self mask, no per-depth host sync.
+    # Siblings hold distinct tokens (a trie), so at most one node per depth is accepted: the path.
     real = tree.real
-    cur = torch.zeros(batch, dtype=torch.long, device=device)
-    going = torch.ones(batch, dtype=torch.bool, device=device)
-    num = torch.zeros(batch, dtype=torch.long, device=device)
-    path = [cur]
-    for _ in range(int(tree.depth.max())):
-        want = choices.gather(1, cur[:, None])  # [batch, 1]
-        child = (tree.parents == cur[:, None]) & (tree.tokens == want) & real
-        found = child.any(1) & going
-        cur = torch.where(found, child.long().argmax(1), cur)
-        num += found.long()
-        going &= found
-        path.append(torch.where(found, cur, -1))
-        if not bool(going.any()):
-            break
-    return torch.stack(path, dim=1), num
+    ok = (tree.tokens == choices.gather(1, tree.parents.clamp(min=0))) & real
+    ok[:, 0] = True  # the root
+    accepted = ~(tree.mask & ~ok[:, None, :]).any(-1) & real  # [batch, nodes]
+    num = accepted.sum(1) - 1
+    depth_slots = tree.max_depth + 1
+    node_ids = torch.arange(tree.width, device=device).expand(batch, -1)
+    slot = torch.where(accepted, tree.depth, depth_slots)  # rejected nodes go to a dropped extra column
+    path = torch.full((batch, depth_slots + 1), -1, dtype=torch.long, device=device)
+    path.scatter_(1, slot, torch.where(accepted, node_ids, -1))
+    return path[:, :depth_slots], num
 
 
 def residual(r: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,189 @@
+"""Cost-aware tree budgets: a drafted node enters the verification forward only when its expected gain pays for it.
+
+The rule
+    A step that feeds ``w`` tokens per row at batch ``b`` costs ``T(b * w) + h``: the forward (``T``,
+    measured on the device at hand, :class:`ForwardCost`) plus the host work of a step (``h``,
+    followed as the run goes). It commits ``1 + E[accepted]`` tokens per row, and
+    ``E[accepted] = sum of P(node accepted)`` over the drafted nodes (the nodes of one depth exclude
+    each other, so their probabilities add up). ``P(node)`` is the product along the node's path of
+    ``c(source, depth)``: how often a node of that proposer at that depth was accepted when its
+    parent was (:class:`AcceptanceModel`, learned from the verdicts of the run, prior Beta(1, 1)).
+
+    Nodes a proposer needs whatever they are worth (a Jacobi block or lookahead window: its update
+    reads their logits) are *mandatory*. The optional ones are taken best first (``P`` never grows
+    along a path, so parents come before children) and their number ``k`` maximises the tokens per
+    second of the step::
+
+        sum over rows of (1 + sum P of the row's mandatory and first k optional nodes)
+        ---------------------------------------------------------------------------------
+                       T(b * (widest mandatory part + k + 1)) + h
+
+    A CPU, whose forward cost grows with every token, keeps few candidates; a GPU, flat up to its
+    roofline knee, keeps many. ``tree_budget`` stays a hard cap on top.
+
+What it deliberately does not know
+    Where candidates come from; :func:`~.tree.pack_candidates` applies the choice.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+__all__ = ["ForwardCost", "AcceptanceModel", "CostAwareBudget", "forward_cost"]
+
+#: token counts the forward is timed at (per forward, all rows together); linear in between and beyond
+MEASURED_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+class ForwardCost:
+    """``T(n)``: seconds of one target forward feeding ``n`` new tokens (all rows together).
+
+    Measured points ``(n, seconds)``, linear interpolation between them and linear extrapolation
+    past the last two (:func:`forward_cost` measures them; a preset can give them).
+    """
+
+    def __init__(self, points: list[tuple[int, float]]):
+        if len(points) < 2:
+            raise ValueError("ForwardCost needs at least two (tokens, seconds) points.")
+        self.points = sorted((int(n), float(s)) for n, s in points)
+
+    def __call__(self, tokens: int) -> float:
+        pts = self.points
+        for (n0, s0), (n1, s1) in zip(pts, pts[1:]):
+            if tokens <= n1 or (n1, s1) == pts[-1]:
+                slope = (s1 - s0) / (n1 - n0)
+                return max(s0 + slope * (tokens - n0), 0.0) if tokens >= n0 else s0
+        return pts[-1][1]  # pragma: no cover - the loop always returns
+
+    def to_dict(self) -> dict:
+        return {"tokens": [n for n, _ in self.points], "seconds": [s for _, s in self.points]}
+
+
+_COSTS: dict[tuple, ForwardCost] = {}  # (id(model), device, dtype) -> measured cost
+
+
+@torch.no_grad()
+def forward_cost(model, context: int = 64, repeats: int = 3) -> ForwardCost:
+    """Measure (once per model, device and dtype; cached) ``T(n)`` for ``n`` in :data:`MEASURED_TOKENS`.
+
+    Each point is the median of ``repeats`` forwards of ``n`` tokens after a ``context``-token
+    prefix held in a cache, timed with a device sync on CUDA. Costs a few dozen forwards.
+    """
+    device = next(model.parameters()).device
+    key = (id(model), str(device), str(next(model.parameters()).dtype))
+    if key in _COSTS:
+        return _COSTS[key]
+    from transformers.cache_utils import DynamicCache
+
+    vocab = model.get_output_embeddings().weight.shape[0] if model.get_output_embeddings() is not None else 2
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *a: None)
+    points = []
+    for n in MEASURED_TOKENS:
+        times = []
+        for _ in range(repeats + 1):  # the first is a warm-up
+            cache = DynamicCache()
+            ids = torch.randint(0, vocab, (1, context + n), device=device)
+            model(input_ids=ids[:, :context], past_key_values=cache, use_cache=True)
+            sync()
+            t0 = time.perf_counter()
+            model(input_ids=ids[:, context:], past_key_values=cache, use_cache=True)
+            sync()
+            times.append(time.perf_counter() - t0)
+        points.append((n, sorted(times[1:])[len(times[1:]) // 2]))
+    _COSTS[key] = ForwardCost(points)
+    return _COSTS[key]
+
+
+class AcceptanceModel:
+    """``c(source, depth)``: acceptance of a drafted node given its parent was accepted, learned online.
+
+    ``values(sources, length)`` gives each candidate token's ``P`` (product of ``c`` along the
+    candidate); ``update(tree, verdict, sources)`` counts, for every node a candidate created,
+    whether it was accepted when its parent was.
+    """
+
+    def __init__(self, num_sources: int, max_depth: int = 64, prior: tuple[float, float] = (1.0, 1.0), device=None):
+        self.hits = torch.full((num_sources, max_depth), prior[0], device=device)
+        self.trials = torch.full((num_sources, max_depth), prior[0] + prior[1], device=device)
+
+    def rates(self) -> torch.Tensor:
+        return self.hits / self.trials  # [sources, depth]
+
+    def values(self, sources: torch.Tensor, length: int) -> torch.Tensor:
+        """``[batch, candidates, length]`` P of each candidate token (``sources`` ``[batch, candidates]``)."""
+        rates = self.rates()
+        if length > rates.shape[1]:
+            rates = torch.cat([rates, rates[:, -1:].expand(-1, length - rates.shape[1])], dim=1)
+        return rates[sources.clamp(min=0), :length].cumprod(-1)
+
+    def update(self, tree, verdict, sources: torch.Tensor) -> None:
+        """Count the fresh candidate nodes of ``tree`` (see :func:`~.tree.pack_candidates`) by source and depth."""
+        if tree.candidate_index is None or tree.candidate_fresh is None:
+            return
+        batch, width = tree.tokens.shape
+        accepted = torch.zeros((batch, width + 1), dtype=torch.bool, device=tree.tokens.device)
+        accepted.scatter_(1, torch.where(verdict.path >= 0, verdict.path, width), True)
+        accepted = accepted[:, :width]
+        node = tree.candidate_index.clamp(min=0)
+        fresh = tree.candidate_fresh
+        length = fresh.shape[-1]
+        parent_ok = accepted.gather(1, tree.parents.clamp(min=0)).gather(1, node.flatten(1)).view_as(node)
+        tried = fresh & parent_ok
+        hit = tried & accepted.gather(1, node.flatten(1)).view_as(node)
+        depth = torch.arange(length, device=node.device).clamp(max=self.hits.shape[1] - 1)
+        index = (sources.clamp(min=0)[..., None] * self.hits.shape[1] + depth).flatten()
+        self.trials.view(-1).index_add_(0, index, tried.flatten().to(self.trials.dtype))
+        self.hits.view(-1).index_add_(0, index, hit.flatten().to(self.hits.dtype))
+
+
+class CostAwareBudget:
+    """Chooses how many optional nodes each step feeds (module docstring); one per ``generate`` call.
+
+    ``mandatory_sources``: the source ids whose candidates are always fed. ``stats`` reports the
+    average optional nodes chosen and the forward cost used.
+    """
+
+    def __init__(self, model, num_sources: int, mandatory_sources=(), cost: ForwardCost | None = None, device=None):
+        self.cost = cost if cost is not None else forward_cost(model)
+        self.acceptance = AcceptanceModel(num_sources, device=device)
+        self.mandatory_sources = tuple(mandatory_sources)
+        self.host_seconds = 0.0  # moving average of the host work per step
+        self._last = None  # (wall clock, forward seconds) at the previous choice
+        self.steps = 0
+        self.chosen = 0
+
+    def observe(self, forward_seconds: float) -> None:
+        """Update the host time per step from the wall clock and the target's cumulated forward time."""
+        now = time.perf_counter()
+        if self._last is not None:
+            host = max(now - self._last[0] - (forward_seconds - self._last[1]), 0.0)
+            self.host_seconds = host if self.steps <= 1 else 0.8 * self.host_seconds + 0.2 * host
+        self._last = (now, forward_seconds)
+
+    def choose(self, optional: torch.Tensor, mandatory_gain: torch.Tensor, mandatory_width: torch.Tensor) -> int:
+        """``k`` optional nodes per row (see the rule). ``optional`` ``[batch, n]``: each row's optional
+        node values, best first (``-inf`` past the row's last); ``mandatory_gain`` / ``mandatory_width``
+        ``[batch]``: sum of P and count of the row's mandatory nodes."""
+        batch, n = optional.shape
+        values = optional.clamp(min=0).nan_to_num(0.0)
+        available = (optional > float("-inf")).sum(1)  # [batch]
+        gains = torch.cat([values.new_zeros(batch, 1), values.cumsum(1)], dim=1)  # [batch, n + 1]
+        ks = torch.arange(n + 1, device=optional.device)
+        widths = (mandatory_width[:, None] + torch.minimum(ks[None], available[:, None])).amax(0) + 1  # [n + 1]
+        tokens = (1 + mandatory_gain[:, None] + gains).sum(0)  # [n + 1]
+        t = torch.tensor([self.cost(batch * int(w)) for w in widths.tolist()], dtype=tokens.dtype,
+                         device=tokens.device)
+        k = int((tokens.cpu() / (t.cpu() + self.host_seconds)).argmax())
+        self.steps += 1
+        self.chosen += k
+        return k
+
+    @property
+    def stats(self) -> dict:
+        return {
+            "budget_optional_nodes_per_step": self.chosen / max(self.steps, 1),
+            "budget_host_ms_per_step": 1e3 * self.host_seconds,
+            "forward_cost": self.cost.to_dict(),
+        }
