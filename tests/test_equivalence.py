@@ -17,6 +17,8 @@ SETTINGS = {
         "N2": dict(ngram_size=2),
         "G0": dict(guess_set_size=0),
         "wide": dict(window_size=8, ngram_size=5, guess_set_size=8, pool_from_prompt=False),
+        "context": dict(context_matches=3, context_tokens=6),
+        "context_budget": dict(context_matches=4, tree_budget=6, cost_aware=True),
     },
     "prompt_lookup": {
         "default": dict(),
@@ -24,6 +26,7 @@ SETTINGS = {
         "n1": dict(max_ngram_size=1, num_tokens=3),
         "small_budget": dict(tree_budget=2),
         "wide": dict(num_tokens=16, max_ngram_size=4, max_matches=8, tree_budget=64),
+        "cost_aware": dict(cost_aware=True),
     },
     "jacobi_forcing": {
         "default": dict(),
@@ -32,6 +35,8 @@ SETTINGS = {
         "K3_r05": dict(num_blocks=3, activation_ratio=0.5, block_size=8),
         "r1": dict(activation_ratio=1.0, block_size=4),
         "n1": dict(block_size=1, pool_size=2, ngram_size=2),
+        "context": dict(context_matches=3, context_tokens=5, block_size=6),
+        "context_budget": dict(context_matches=2, cost_aware=True, tree_budget=9, block_size=8),
     },
 }
 CASES = [(decoding, name) for decoding, table in SETTINGS.items() for name in table]

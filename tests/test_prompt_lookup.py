@@ -40,7 +40,7 @@ def test_repetitive_text_is_drafted_and_accepted():
     out = model.generate(input_ids=ids, max_new_tokens=12, do_sample=False, eos_token_id=None,
                          decoding="prompt_lookup", return_dict_in_generate=True)
     assert torch.equal(out.sequences, free)
-    assert out.stats["matched_step_share"] > 0
+    assert out.stats["context_matched_step_share"] > 0
 
 
 def test_batch_streamer_and_one_forward_per_step():

@@ -39,12 +39,15 @@ def outcomes(sequences: torch.Tensor, prompt_len: int) -> torch.Tensor:
     "decoding, settings",
     [("jacobi", dict(block_size=3, jacobi_init="repeat")), ("lookahead", dict(window_size=3, ngram_size=3)),
      ("jacobi_forcing", dict(block_size=2, activation_ratio=0.5, pool_size=2, ngram_size=3)),
-     ("prompt_lookup", dict(num_tokens=2, max_ngram_size=1, max_matches=5))],
+     ("prompt_lookup", dict(num_tokens=2, max_ngram_size=1, max_matches=5)),
+     ("lookahead", dict(window_size=2, ngram_size=2, context_matches=3, context_tokens=2, context_ngram_size=1,
+                        cost_aware=True)),
+     ("jacobi_forcing", dict(block_size=2, pool_size=1, context_matches=4, context_tokens=2, context_ngram_size=1))],
 )
 def test_sampled_output_distribution_equals_stock(decoding, settings):
     model = hfpd.enable(tiny_model("llama", vocab_size=VOCAB, initializer_range=0.05))
     ids = torch.tensor([[3, 4, 3, 4, 3]]).repeat(ROWS, 1)
-    if decoding == "prompt_lookup":  # a context where every token has several successors to draft from
+    if decoding == "prompt_lookup" or "context_matches" in settings:  # every token has several successors to draft
         ids = torch.tensor([[3, 4, 0, 3, 1, 4, 2, 0, 1, 3, 2, 4, 1, 0, 2, 1, 4, 4, 0, 0, 3, 3, 2, 2, 3]]).repeat(ROWS, 1)
     kwargs = dict(input_ids=ids, max_new_tokens=NEW, do_sample=True, temperature=1.3, top_k=4, eos_token_id=None)
     torch.manual_seed(0)

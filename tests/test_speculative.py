@@ -31,6 +31,23 @@ def test_matches_stock_greedy(arch, batch, kind, budget):
     torch.testing.assert_close(out, reference(arch, batch, 24), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("budget", [2, 8, 32])
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("batch", [1, 3])
+def test_context_ngrams_composed_into_the_head_tree_match_stock_greedy(batch, kind, budget):
+    model = enabled("llama")
+    ids, mask = prompts(batch)
+    ids = torch.cat([ids, ids], dim=1)  # the prompt repeats itself: context matches exist
+    mask = torch.cat([mask, mask], dim=1)
+    ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False)
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False,
+                         decoding="speculative", drafter=head_for(model, kind), tree_budget=budget,
+                         context_matches=3, context_tokens=5, return_dict_in_generate=True)
+    torch.testing.assert_close(out.sequences, ref, rtol=0, atol=0)
+    assert out.stats["context_step_share"] > 0 and out.stats["context_matched_step_share"] > 0
+    assert out.num_forward_passes <= 24  # one target forward per step, context nodes included
+
+
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("arch", [a for a in ARCHITECTURES if a not in MAIN_ARCHS])
 def test_other_architectures_match_stock_greedy(arch, kind):
@@ -110,18 +127,21 @@ def test_streamer_gets_committed_tokens(small_vocab):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("warp", [dict(), dict(temperature=1.3, top_k=4)], ids=["plain", "temperature_topk"])
+@pytest.mark.parametrize("warp", [dict(), dict(temperature=1.3, top_k=4),
+                                  dict(context_matches=3, context_tokens=2, context_ngram_size=1)],
+                         ids=["plain", "temperature_topk", "context_ngrams"])
 def test_sampled_output_distribution_equals_stock(kind, warp):
     vocab, rows = 5, 4000
     model = hfpd.enable(tiny_model("llama", vocab_size=vocab, initializer_range=0.05))
     head = head_for(model, kind, layers=1, block_size=3)
     ids = torch.tensor([[3, 4, 3, 4, 3]]).repeat(rows, 1)
+    context = {k: warp.pop(k) for k in list(warp) if k.startswith("context_")}
     kwargs = dict(input_ids=ids, max_new_tokens=3, do_sample=True, eos_token_id=None, **warp)
     torch.manual_seed(0)
     stock = model.generate(**kwargs)
     torch.manual_seed(1)
     ours = model.generate(**kwargs, decoding="speculative", drafter=head, tree_budget=6, tree_width=2,
-                          return_dict_in_generate=True)
+                          return_dict_in_generate=True, **context)
     assert ours.tokens_per_forward > 1.05, "multi-token acceptance must happen for the test to mean anything"
     p = chi_square_two_sample(outcomes(stock, 5), outcomes(ours.sequences, 5), vocab**3)
     assert p > 1e-3, f"sampled distribution differs from stock sampling (p={p:.2e})"

@@ -29,7 +29,7 @@ from .target import TargetForward
 from .tree import PackedTree
 from .verify import Verdict, verify_tree
 
-__all__ = ["DecodeRun", "ParallelDecodingOutput", "Proposer", "decode", "start", "check_int_setting"]
+__all__ = ["DecodeRun", "ParallelDecodingOutput", "Proposer", "decode", "start", "check_int_setting", "check_bool_setting"]
 
 
 
@@ -65,6 +65,13 @@ def check_int_setting(name: str, value, minimum: int) -> int:
         raise ValueError(f"`{name}` must be an integer >= {minimum}, got {value!r} ({type(value).__name__}).")
     if value < minimum:
         raise ValueError(f"`{name}` must be >= {minimum}, got {value}.")
+    return value
+
+
+def check_bool_setting(name: str, value) -> bool:
+    """Validate a True/False setting and return it."""
+    if not isinstance(value, bool):
+        raise ValueError(f"`{name}` must be True or False, got {value!r}.")
     return value
 
 
@@ -318,6 +325,7 @@ class Proposer:
     """
 
     stats: dict = {}
+    cost_budget = None  # a budget.CostAwareBudget when the proposer packs under one (the loop feeds it timings and verdicts)
 
     def propose(self) -> PackedTree:  # pragma: no cover - interface
         raise NotImplementedError
@@ -364,13 +372,23 @@ def decode(model, name, make_proposer, input_ids, logits_processor, stopping_cri
     run.stats.update(settings)
     if not run.log.done:  # (no room for new tokens is only reachable by calling a strategy directly)
         proposer = make_proposer(run)
+        fed = None  # tokens of the last verification forward (all rows)
         while not run.log.done:
             kept = run.drop_finished()
             if kept is not None:
                 proposer.select(kept)
             if run.rows.numel() == 0:
                 break
+            budget = proposer.cost_budget
+            if budget is not None:
+                budget.observe(run.target.seconds, fed)
             tree = proposer.propose()
-            proposer.update(tree, run.step(tree))
+            verdict = run.step(tree)
+            fed = tree.tokens.numel()
+            if budget is not None:
+                budget.learn(tree, verdict)
+            proposer.update(tree, verdict)
         run.stats.update(proposer.stats)
+        if proposer.cost_budget is not None:
+            run.stats.update(proposer.cost_budget.stats)
     return run.result(bool(generation_config.return_dict_in_generate), wall_start)

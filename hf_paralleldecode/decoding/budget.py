@@ -47,9 +47,25 @@ class ForwardCost:
     def __init__(self, points: list[tuple[int, float]]):
         if len(points) < 2:
             raise ValueError("ForwardCost needs at least two (tokens, seconds) points.")
-        self.points = sorted((int(n), float(s)) for n, s in points)
+        pts = sorted((int(n), float(s)) for n, s in points)
+        best = 0.0
+        self.points = []
+        for n, s in pts:  # a forward never gets cheaper with more tokens: smooth timing noise away
+            best = max(best, s)
+            self.points.append((n, best))
+        self.scale = 1.0  # observed / predicted, followed during a run (see observe)
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        """Correct the level of the curve with a forward actually timed in the run (moving average of
+        observed / predicted): the calibration's shape, the run's level."""
+        predicted = self._curve(tokens)
+        if predicted > 0:
+            self.scale = 0.9 * self.scale + 0.1 * seconds / predicted
 
     def __call__(self, tokens: int) -> float:
+        return self.scale * self._curve(tokens)
+
+    def _curve(self, tokens: int) -> float:
         pts = self.points
         for (n0, s0), (n1, s1) in zip(pts, pts[1:]):
             if tokens <= n1 or (n1, s1) == pts[-1]:
@@ -65,7 +81,7 @@ _COSTS: dict[tuple, ForwardCost] = {}  # (id(model), device, dtype) -> measured 
 
 
 @torch.no_grad()
-def forward_cost(model, context: int = 64, repeats: int = 3) -> ForwardCost:
+def forward_cost(model, context: int = 64, repeats: int = 5) -> ForwardCost:
     """Measure (once per model, device and dtype; cached) ``T(n)`` for ``n`` in :data:`MEASURED_TOKENS`.
 
     Each point is the median of ``repeats`` forwards of ``n`` tokens after a ``context``-token
@@ -74,7 +90,7 @@ def forward_cost(model, context: int = 64, repeats: int = 3) -> ForwardCost:
     device = next(model.parameters()).device
     key = (id(model), str(device), str(next(model.parameters()).dtype))
     if key in _COSTS:
-        return _COSTS[key]
+        return ForwardCost(_COSTS[key].points)  # a fresh level per run, the measured shape
     from transformers.cache_utils import DynamicCache
 
     vocab = model.get_output_embeddings().weight.shape[0] if model.get_output_embeddings() is not None else 2
@@ -93,7 +109,7 @@ def forward_cost(model, context: int = 64, repeats: int = 3) -> ForwardCost:
             times.append(time.perf_counter() - t0)
         points.append((n, sorted(times[1:])[len(times[1:]) // 2]))
     _COSTS[key] = ForwardCost(points)
-    return _COSTS[key]
+    return ForwardCost(points)
 
 
 class AcceptanceModel:
@@ -118,9 +134,10 @@ class AcceptanceModel:
             rates = torch.cat([rates, rates[:, -1:].expand(-1, length - rates.shape[1])], dim=1)
         return rates[sources.clamp(min=0), :length].cumprod(-1)
 
-    def update(self, tree, verdict, sources: torch.Tensor) -> None:
+    def update(self, tree, verdict) -> None:
         """Count the fresh candidate nodes of ``tree`` (see :func:`~.tree.pack_candidates`) by source and depth."""
-        if tree.candidate_index is None or tree.candidate_fresh is None:
+        sources = tree.candidate_sources
+        if sources is None or tree.candidate_index is None or tree.candidate_index.shape[-1] == 0:
             return
         batch, width = tree.tokens.shape
         accepted = torch.zeros((batch, width + 1), dtype=torch.bool, device=tree.tokens.device)
@@ -145,21 +162,48 @@ class CostAwareBudget:
     average optional nodes chosen and the forward cost used.
     """
 
+    #: candidates of one source are told apart by their rank in the row (the first context match is
+    #: right far more often than the fourth); ranks from this one on share their statistics
+    max_rank: int = 4
+
     def __init__(self, model, num_sources: int, mandatory_sources=(), cost: ForwardCost | None = None, device=None):
         self.cost = cost if cost is not None else forward_cost(model)
-        self.acceptance = AcceptanceModel(num_sources, device=device)
+        self.acceptance = AcceptanceModel(num_sources * self.max_rank, device=device)
         self.mandatory_sources = tuple(mandatory_sources)
         self.host_seconds = 0.0  # moving average of the host work per step
         self._last = None  # (wall clock, forward seconds) at the previous choice
         self.steps = 0
         self.chosen = 0
 
-    def observe(self, forward_seconds: float) -> None:
-        """Update the host time per step from the wall clock and the target's cumulated forward time."""
+    def keys(self, sources: list[int]) -> list[int]:
+        """Statistics key of each of a row's candidates: ``source * max_rank + rank within its source``."""
+        seen: dict[int, int] = {}
+        out = []
+        for s in sources:
+            rank = seen.get(s, 0)
+            seen[s] = rank + 1
+            out.append(s * self.max_rank + min(rank, self.max_rank - 1))
+        return out
+
+    def is_mandatory(self, keys: torch.Tensor) -> torch.Tensor:
+        """``keys`` (from :meth:`keys`) that belong to a mandatory source."""
+        mandatory = torch.tensor(self.mandatory_sources, dtype=keys.dtype, device=keys.device)
+        return torch.isin(torch.div(keys, self.max_rank, rounding_mode="floor"), mandatory)
+
+    def learn(self, tree, verdict) -> None:
+        """After a verification: what each source's nodes achieved (see :class:`AcceptanceModel`)."""
+        self.acceptance.update(tree, verdict)
+
+    def observe(self, forward_seconds: float, tokens: int | None = None) -> None:
+        """After a step: the target's cumulated forward time and the tokens the last forward fed.
+        Updates the host time per step (wall clock minus forward) and the forward cost's level."""
         now = time.perf_counter()
         if self._last is not None:
-            host = max(now - self._last[0] - (forward_seconds - self._last[1]), 0.0)
+            step_forward = forward_seconds - self._last[1]
+            host = max(now - self._last[0] - step_forward, 0.0)
             self.host_seconds = host if self.steps <= 1 else 0.8 * self.host_seconds + 0.2 * host
+            if tokens:
+                self.cost.observe(tokens, step_forward)
         self._last = (now, forward_seconds)
 
     def choose(self, optional: torch.Tensor, mandatory_gain: torch.Tensor, mandatory_width: torch.Tensor) -> int:

@@ -38,8 +38,12 @@ from __future__ import annotations
 import torch
 
 from .base import Proposer, check_int_setting, checks_settings, decode
+from .budget import CostAwareBudget
 from .ngram_pool import NgramPool
+from .prompt_lookup import ContextNgrams, check_context_settings
 from .tree import pack_trees
+
+CHAIN, POOL = 0, 1  # proposer ids of the candidates (ContextNgrams.SOURCE is the third)
 
 __all__ = ["jacobi_forcing", "GPU_DEFAULTS", "CPU_DEFAULTS"]
 
@@ -50,8 +54,10 @@ GPU_DEFAULTS = dict(block_size=64, num_blocks=2, activation_ratio=0.85, pool_siz
 CPU_DEFAULTS = dict(block_size=4, num_blocks=2, activation_ratio=0.85, pool_size=8)
 
 
-def _check_settings(block_size, num_blocks, activation_ratio, pool_size, ngram_size, jacobi_seed):
+def _check_settings(block_size, num_blocks, activation_ratio, pool_size, ngram_size, jacobi_seed, context_matches=0,
+                    context_tokens=10, context_ngram_size=3, tree_budget=None, cost_aware=False):
     """Values as given; ``None`` means "the device preset" and is filled in by :func:`_resolve_settings`."""
+    check_context_settings(context_matches, context_tokens, context_ngram_size, tree_budget, cost_aware)
     for name, value, low in (("block_size", block_size, 1), ("num_blocks", num_blocks, 1), ("pool_size", pool_size, 0),
                              ("ngram_size", ngram_size, 2), ("jacobi_seed", jacobi_seed, 0)):
         if value is not None:
@@ -81,8 +87,14 @@ class MultiblockProposer(Proposer):
     ``k`` covers ``[ends[k-1], ends[k])``; the first listed block is the real-active one.
     """
 
-    def __init__(self, run, n, num_blocks, ratio, pool_size, ngram_size, seed):
+    def __init__(self, run, n, num_blocks, ratio, pool_size, ngram_size, seed, context_matches=0, context_tokens=10,
+                 context_ngram_size=3, tree_budget=None, cost_aware=False):
         self.run, self.n, self.K, self.r = run, n, num_blocks, ratio
+        self.context = (ContextNgrams(run, context_tokens, context_ngram_size, context_matches)
+                        if context_matches else None)
+        self.max_nodes = None if tree_budget is None else tree_budget + 1
+        self.cost_budget = (CostAwareBudget(run.model, num_sources=3, mandatory_sources=(CHAIN,), device=run.rows.device)
+                       if cost_aware else None)
         self.pool_size, self.ngram = pool_size, ngram_size
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
         batch = run.prompt.shape[0]
@@ -90,13 +102,17 @@ class MultiblockProposer(Proposer):
         self.chain: dict[int, list[int]] = {}
         self.ends: dict[int, list[int]] = {}
         self.root_pos: dict[int, int] = {}
-        self.stats = dict(blocks_activated=0, recycled_wins=0)
+        self._stats = dict(blocks_activated=0, recycled_wins=0)
         fills = run.sample_context(n, self.generator).tolist()
         for i, r in enumerate(run.rows.tolist()):
             self.chain[r] = [int(run.log.tokens[r, 0])]
             self.root_pos[r] = 0
             self.ends[r] = [n]  # the first block starts at the first generated token (the root)
             self._fit(r, 0, fills[i])
+
+    @property
+    def stats(self) -> dict:
+        return self._stats if self.context is None else {**self._stats, **self.context.stats}
 
     def _limit(self, r: int) -> int:
         return int(self.run.log.max_new_tokens)
@@ -110,15 +126,20 @@ class MultiblockProposer(Proposer):
         self.chain[r] = chain
 
     def propose(self):
-        """The chain first (its nodes are read back in ``update``), then recycled n-grams."""
-        roots, cands = [], []
-        for r in self.run.rows.tolist():
+        """The chain first (its nodes are read back in ``update``), then context matches and recycled n-grams."""
+        context = self.context.candidates() if self.context is not None else None
+        roots, cands, sources = [], [], []
+        counts = self.run.log.count[self.run.rows].tolist()
+        for i, r in enumerate(self.run.rows.tolist()):
             chain = self.chain[r]
+            found = context[i] if context is not None else []
             guesses = [list(g) for g in self.pool.get(r, chain[0], self.pool_size)] if self.pool_size else []
-            budget = self._limit(r) - int(self.run.log.count[r])  # a depth-d path commits d + 1 tokens
+            room = self._limit(r) - counts[i]  # a depth-d path commits d + 1 tokens
             roots.append(chain[0])
-            cands.append([c[:budget] for c in [chain[1:]] + guesses])
-        return pack_trees(torch.tensor(roots, device=self.run.rows.device), cands)
+            cands.append([c[:room] for c in [chain[1:]] + found + guesses])
+            sources.append([CHAIN] + [ContextNgrams.SOURCE] * len(found) + [POOL] * len(guesses))
+        return pack_trees(torch.tensor(roots, device=self.run.rows.device), cands, max_nodes=self.max_nodes,
+                          sources=sources, budget=self.cost_budget)
 
     def update(self, tree, verdict) -> None:
         choices_l, committed = verdict.choices.tolist(), verdict.tokens.tolist()
@@ -144,7 +165,7 @@ class MultiblockProposer(Proposer):
             main = 0  # guesses of the main chain accepted: fewer than a - 1 means a recycled n-gram won
             while main + 1 < len(nodes) and old[main + 1] == update[main]:
                 main += 1
-            self.stats["recycled_wins"] += int(a - 1 > main)
+            self._stats["recycled_wins"] += int(a - 1 > main)
             # Jacobi update of the rest of the chain; recycle its n-grams
             bonus = committed[i][a - 1]
             new_chain = [bonus] + update[a : len(nodes) - 1]
@@ -157,7 +178,7 @@ class MultiblockProposer(Proposer):
                 ends = [root_pos + self.n]
             elif len(ends) < self.K and newest_done >= self.r * self.n:
                 ends.append(ends[-1] + self.n)
-                self.stats["blocks_activated"] += 1
+                self._stats["blocks_activated"] += 1
             self.ends[r] = ends
             self._fit(r, root_pos, fills[i])
 
@@ -177,6 +198,11 @@ def jacobi_forcing(
     pool_size: int | None = None,
     ngram_size: int | None = None,
     jacobi_seed: int = 0,
+    context_matches: int = 0,
+    context_tokens: int = 10,
+    context_ngram_size: int = 3,
+    tree_budget: int | None = None,
+    cost_aware: bool = False,
     pd_streamer=None,
     **model_kwargs,
 ):
@@ -191,13 +217,23 @@ def jacobi_forcing(
         pool_size: recycled n-gram candidates verified per step (0 disables rejection recycling).
         ngram_size: length of recycled n-grams (default: ``max(block_size, 2)``).
         jacobi_seed: seed for the guesses of new blocks (drawn from the row's context).
+        context_matches: continuations of the row's suffix found in its prompt and output (context
+            n-grams, as ``decoding="prompt_lookup"``) added to the tree each step; 0 = none.
+        context_tokens: tokens of each context continuation.
+        context_ngram_size: longest suffix looked up in the context.
+        tree_budget: drafted nodes per step at most (``None``: no cap); the chain comes first.
+        cost_aware: feed the optional nodes (context and recycled candidates) only when their
+            expected gain pays for their cost on this device (``hf_paralleldecode.decoding.budget``).
         pd_streamer (BaseStreamer | None): see :func:`hf_paralleldecode.jacobi`.
     """
+    check_context_settings(context_matches, context_tokens, context_ngram_size, tree_budget, cost_aware)
     n, K, r, pool, ngram = _resolve_settings(model, block_size, num_blocks, activation_ratio, pool_size,
                                               ngram_size, jacobi_seed)
+    context = dict(context_matches=context_matches, context_tokens=context_tokens,
+                   context_ngram_size=context_ngram_size, tree_budget=tree_budget, cost_aware=cost_aware)
     return decode(
-        model, "jacobi_forcing", lambda run: MultiblockProposer(run, n, K, r, pool, ngram, jacobi_seed), input_ids,
-        logits_processor, stopping_criteria, generation_config, streamer, model_kwargs,
-        dict(block_size=n, num_blocks=K, activation_ratio=r, pool_size=pool, ngram_size=ngram),
+        model, "jacobi_forcing", lambda run: MultiblockProposer(run, n, K, r, pool, ngram, jacobi_seed, **context),
+        input_ids, logits_processor, stopping_criteria, generation_config, streamer, model_kwargs,
+        dict(block_size=n, num_blocks=K, activation_ratio=r, pool_size=pool, ngram_size=ngram, **context),
         pd_streamer=pd_streamer,
     )

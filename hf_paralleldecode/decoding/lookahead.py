@@ -36,13 +36,19 @@ from __future__ import annotations
 import torch
 
 from .base import Proposer, check_int_setting, checks_settings, decode
+from .budget import CostAwareBudget
 from .ngram_pool import NgramPool
+from .prompt_lookup import ContextNgrams, check_context_settings
 from .tree import pack_trees
+
+WINDOW, POOL = 0, 1  # proposer ids of the candidates (ContextNgrams.SOURCE is the third)
 
 __all__ = ["lookahead"]
 
 
-def _check_settings(window_size, ngram_size, guess_set_size, pool_from_prompt, lookahead_seed):
+def _check_settings(window_size, ngram_size, guess_set_size, pool_from_prompt, lookahead_seed, context_matches,
+                    context_tokens, context_ngram_size, tree_budget, cost_aware):
+    check_context_settings(context_matches, context_tokens, context_ngram_size, tree_budget, cost_aware)
     check_int_setting("window_size", window_size, 1)
     check_int_setting("ngram_size", ngram_size, 2)
     check_int_setting("guess_set_size", guess_set_size, 0)
@@ -54,8 +60,15 @@ def _check_settings(window_size, ngram_size, guess_set_size, pool_from_prompt, l
 class LookaheadProposer(Proposer):
     """Windows (per original row) and the shared n-gram pools; builds each step's candidates."""
 
-    def __init__(self, run, window: int, ngram: int, guesses: int, pool_from_prompt: bool, seed: int):
+    def __init__(self, run, window: int, ngram: int, guesses: int, pool_from_prompt: bool, seed: int,
+                 context_matches: int = 0, context_tokens: int = 10, context_ngram_size: int = 3,
+                 tree_budget: int | None = None, cost_aware: bool = False):
         self.run, self.W, self.N, self.G = run, window, ngram, guesses
+        self.context = (ContextNgrams(run, context_tokens, context_ngram_size, context_matches)
+                        if context_matches else None)
+        self.max_nodes = None if tree_budget is None else tree_budget + 1
+        self.cost_budget = (CostAwareBudget(run.model, num_sources=3, mandatory_sources=(WINDOW,), device=run.rows.device)
+                       if cost_aware else None)
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
         batch = run.prompt.shape[0]
         self.pool = NgramPool(batch, max_per_key=guesses)
@@ -70,22 +83,26 @@ class LookaheadProposer(Proposer):
 
     @property
     def stats(self) -> dict:
-        return {"pool_entries": sum(self.pool.size(r) for r in range(self.run.prompt.shape[0]))}
+        stats = {"pool_entries": sum(self.pool.size(r) for r in range(self.run.prompt.shape[0]))}
+        return stats if self.context is None else {**stats, **self.context.stats}
 
     def propose(self):
-        """Window columns first (their nodes are read back in ``update``), then pool n-grams."""
+        """Window columns first (their nodes are read back in ``update``), then context matches and pool n-grams."""
         log = self.run.log
-        roots, cands = [], []
-        for r in self.run.rows.tolist():
+        context = self.context.candidates() if self.context is not None else None
+        roots, cands, sources = [], [], []
+        for i, (r, count) in enumerate(zip(self.run.rows.tolist(), log.count[self.run.rows].tolist())):
             root = self.roots[r]
-            max_depth = int(log.max_new_tokens) - int(log.count[r])  # a depth-d path commits d + 1 tokens
+            max_depth = int(log.max_new_tokens) - count  # a depth-d path commits d + 1 tokens
             levels = self.levels[r]
             window = [levels[0][: c + 1] + [lv[c] for lv in levels[1:]] for c in range(self.W)]
+            found = context[i] if context is not None else []
             guesses = [list(g) for g in self.pool.get(r, root, self.G)]
-            row = [c[:max_depth] for c in window + guesses]
             roots.append(root)
-            cands.append(row)
-        return pack_trees(torch.tensor(roots, device=self.run.rows.device), cands)
+            cands.append([c[:max_depth] for c in window + found + guesses])
+            sources.append([WINDOW] * len(window) + [ContextNgrams.SOURCE] * len(found) + [POOL] * len(guesses))
+        return pack_trees(torch.tensor(roots, device=self.run.rows.device), cands, max_nodes=self.max_nodes,
+                          sources=sources, budget=self.cost_budget)
 
     def update(self, tree, verdict) -> None:
         """Collect n-grams, move levels up, slide by the committed tokens, refill freed columns.
@@ -132,6 +149,11 @@ def lookahead(
     guess_set_size: int = 5,
     pool_from_prompt: bool = True,
     lookahead_seed: int = 0,
+    context_matches: int = 0,
+    context_tokens: int = 10,
+    context_ngram_size: int = 3,
+    tree_budget: int | None = None,
+    cost_aware: bool = False,
     pd_streamer=None,
     **model_kwargs,
 ):
@@ -144,13 +166,24 @@ def lookahead(
             branch: the window's level 0 is still verified, as a Jacobi guess).
         pool_from_prompt: seed the pool with the prompt's n-grams (good for code and edits).
         lookahead_seed: seed of the generator that refills window columns from the context.
+        context_matches: continuations of the row's suffix found in its prompt and output (context
+            n-grams, as ``decoding="prompt_lookup"``) added to the tree each step; 0 = none.
+        context_tokens: tokens of each context continuation.
+        context_ngram_size: longest suffix looked up in the context.
+        tree_budget: drafted nodes per step at most (``None``: no cap); window columns come first.
+        cost_aware: feed the optional nodes (context and pool candidates) only when their expected
+            gain pays for their cost on this device (``hf_paralleldecode.decoding.budget``).
         pd_streamer (BaseStreamer | None): see :func:`hf_paralleldecode.jacobi`.
     """
-    _check_settings(window_size, ngram_size, guess_set_size, pool_from_prompt, lookahead_seed)
+    _check_settings(window_size, ngram_size, guess_set_size, pool_from_prompt, lookahead_seed, context_matches,
+                    context_tokens, context_ngram_size, tree_budget, cost_aware)
     return decode(
         model, "lookahead",
-        lambda run: LookaheadProposer(run, window_size, ngram_size, guess_set_size, pool_from_prompt, lookahead_seed),
+        lambda run: LookaheadProposer(run, window_size, ngram_size, guess_set_size, pool_from_prompt, lookahead_seed,
+                                      context_matches, context_tokens, context_ngram_size, tree_budget, cost_aware),
         input_ids, logits_processor, stopping_criteria, generation_config, streamer, model_kwargs,
-        dict(window_size=window_size, ngram_size=ngram_size, guess_set_size=guess_set_size),
+        dict(window_size=window_size, ngram_size=ngram_size, guess_set_size=guess_set_size,
+             context_matches=context_matches, context_tokens=context_tokens, context_ngram_size=context_ngram_size,
+             tree_budget=tree_budget, cost_aware=cost_aware),
         pd_streamer=pd_streamer,
     )

@@ -20,17 +20,19 @@ from __future__ import annotations
 
 import torch
 
-from .base import Proposer, check_int_setting, checks_settings, decode
+from .base import Proposer, check_bool_setting, check_int_setting, checks_settings, decode
+from .budget import CostAwareBudget
 from .tree import pack_trees
 
-__all__ = ["prompt_lookup", "context_candidates"]
+__all__ = ["prompt_lookup", "context_candidates", "ContextNgrams", "check_context_settings"]
 
 
-def _check_settings(num_tokens, max_ngram_size, max_matches, tree_budget):
+def _check_settings(num_tokens, max_ngram_size, max_matches, tree_budget, cost_aware):
     check_int_setting("num_tokens", num_tokens, 1)
     check_int_setting("max_ngram_size", max_ngram_size, 1)
     check_int_setting("max_matches", max_matches, 1)
     check_int_setting("tree_budget", tree_budget, 1)
+    check_bool_setting("cost_aware", cost_aware)
 
 
 def context_candidates(context: torch.Tensor, num_tokens: int, max_ngram_size: int, max_matches: int) -> list[list[int]]:
@@ -56,34 +58,68 @@ def context_candidates(context: torch.Tensor, num_tokens: int, max_ngram_size: i
     return out
 
 
-class ContextNgramProposer(Proposer):
-    """Each step: every active row's context suffix matches, merged as a trie (see module docstring)."""
+def check_context_settings(context_matches, context_tokens, context_ngram_size, tree_budget, cost_aware) -> None:
+    """The settings every strategy that composes context n-grams into its tree shares."""
+    check_int_setting("context_matches", context_matches, 0)
+    check_int_setting("context_tokens", context_tokens, 1)
+    check_int_setting("context_ngram_size", context_ngram_size, 1)
+    if tree_budget is not None:
+        check_int_setting("tree_budget", tree_budget, 1)
+    check_bool_setting("cost_aware", cost_aware)
 
-    def __init__(self, run, num_tokens: int, max_ngram_size: int, max_matches: int, tree_budget: int):
+
+class ContextNgrams:
+    """The context n-gram source any proposer can add to its tree: per active row, continuations of the
+    row's suffix found in its prompt and committed tokens (:func:`context_candidates`), best first."""
+
+    SOURCE = 2  # the proposer id of its candidates in budgeted trees (0: Jacobi guesses, 1: n-gram pool)
+
+    def __init__(self, run, num_tokens: int, max_ngram_size: int, max_matches: int):
         self.run = run
-        self.num_tokens, self.max_ngram, self.max_matches, self.budget = num_tokens, max_ngram_size, max_matches, tree_budget
+        self.num_tokens, self.max_ngram, self.max_matches = num_tokens, max_ngram_size, max_matches
         self.steps = self.matched = 0
-        # each row's prompt without padding, kept on the host
-        self.prompts = {r: run.prompt[r][run.prompt_mask[r]].cpu() for r in range(run.prompt.shape[0])}
+        self.prompts = {r: run.packed_prompt[r, : int(run.prompt_lengths[r])].cpu() for r in range(run.prompt.shape[0])}
 
-    @property
-    def stats(self) -> dict:
-        return {"matched_step_share": self.matched / max(self.steps, 1)}
-
-    def propose(self):
+    def candidates(self) -> list[list[list[int]]]:
+        """Per active row: up to ``max_matches`` continuations (one device-to-host copy per step)."""
         log, rows = self.run.log, self.run.rows
         counts = log.count[rows].tolist()
-        tokens = log.tokens[rows, : max(counts)].cpu()  # one device-to-host copy per step
-        roots, cands = [], []
+        tokens = log.tokens[rows, : max(counts)].cpu()
+        out = []
         for i, r in enumerate(rows.tolist()):
             context = torch.cat([self.prompts[r], tokens[i, : counts[i]]])
             room = int(log.max_new_tokens) - counts[i]  # a depth-d path commits d + 1 tokens
             found = context_candidates(context, min(self.num_tokens, room), self.max_ngram, self.max_matches)
-            roots.append(int(tokens[i, counts[i] - 1]))
-            cands.append(found)  # every match has a continuation: no empty candidate
             self.steps += 1
-            self.matched += bool(cands[-1])
-        return pack_trees(torch.tensor(roots, device=rows.device), cands, max_nodes=self.budget + 1)
+            self.matched += bool(found)
+            out.append(found)
+        return out
+
+    @property
+    def stats(self) -> dict:
+        return {"context_matched_step_share": self.matched / max(self.steps, 1)}
+
+
+class ContextNgramProposer(Proposer):
+    """Each step: every active row's context suffix matches, merged as a trie (see module docstring)."""
+
+    def __init__(self, run, num_tokens: int, max_ngram_size: int, max_matches: int, tree_budget: int, cost_aware: bool):
+        self.run = run
+        self.context = ContextNgrams(run, num_tokens, max_ngram_size, max_matches)
+        self.max_nodes = tree_budget + 1
+        self.cost_budget = CostAwareBudget(run.model, num_sources=3, device=run.rows.device) if cost_aware else None
+
+    @property
+    def stats(self) -> dict:
+        return self.context.stats
+
+    def propose(self):
+        rows = self.run.rows
+        log = self.run.log
+        roots = log.tokens[rows, log.count[rows] - 1]
+        cands = self.context.candidates()
+        sources = [[ContextNgrams.SOURCE] * len(c) for c in cands]
+        return pack_trees(roots, cands, max_nodes=self.max_nodes, sources=sources, budget=self.cost_budget)
 
     def update(self, tree, verdict) -> None:
         """Nothing to learn: the next step reads the committed tokens from the commit log."""
@@ -102,6 +138,7 @@ def prompt_lookup(
     max_ngram_size: int = 3,
     max_matches: int = 4,
     tree_budget: int = 32,
+    cost_aware: bool = False,
     pd_streamer=None,
     **model_kwargs,
 ):
@@ -113,13 +150,16 @@ def prompt_lookup(
         max_matches: distinct continuations merged into the tree per step.
         tree_budget: drafted nodes per step at most (the verification forward feeds at most
             ``tree_budget + 1`` tokens).
+        cost_aware: feed only the nodes whose expected gain pays for their cost on this device
+            (``hf_paralleldecode.decoding.budget``), under the ``tree_budget`` cap.
         pd_streamer (BaseStreamer | None): see :func:`hf_paralleldecode.jacobi`.
     """
-    _check_settings(num_tokens, max_ngram_size, max_matches, tree_budget)
+    _check_settings(num_tokens, max_ngram_size, max_matches, tree_budget, cost_aware)
     return decode(
         model, "prompt_lookup",
-        lambda run: ContextNgramProposer(run, num_tokens, max_ngram_size, max_matches, tree_budget),
+        lambda run: ContextNgramProposer(run, num_tokens, max_ngram_size, max_matches, tree_budget, cost_aware),
         input_ids, logits_processor, stopping_criteria, generation_config, streamer, model_kwargs,
-        dict(num_tokens=num_tokens, max_ngram_size=max_ngram_size, max_matches=max_matches, tree_budget=tree_budget),
+        dict(num_tokens=num_tokens, max_ngram_size=max_ngram_size, max_matches=max_matches, tree_budget=tree_budget,
+             cost_aware=cost_aware),
         pd_streamer=pd_streamer,
     )

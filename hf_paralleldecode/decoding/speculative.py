@@ -41,13 +41,16 @@ from .base import Proposer, check_int_setting, checks_settings, decode
 from .cache import SlotCache, additive_mask
 from .draft_tree import TreeBuilder
 from .processors import prefix_independent, process_prefixes
+from .prompt_lookup import ContextNgrams, check_context_settings
 from .target import HiddenStateTaps
 from .tree import PackedTree, tree_from_parents
 
 __all__ = ["speculative"]
 
 
-def _check_tree(tree_budget, tree_width, tree_depth, tree_waves):
+def _check_tree(tree_budget, tree_width, tree_depth, tree_waves, context_matches=0, context_tokens=10,
+                context_ngram_size=3):
+    check_context_settings(context_matches, context_tokens, context_ngram_size, None, False)
     check_int_setting("tree_budget", tree_budget, 1)
     check_int_setting("tree_width", tree_width, 1)
     if tree_depth is not None:
@@ -142,8 +145,12 @@ class _HeadContext:
 
 
 class DraftHeadProposer(Proposer):
-    def __init__(self, run, head, taps, budget, width, depth, waves):
+    def __init__(self, run, head, taps, budget, width, depth, waves, context_matches=0, context_tokens=10,
+                 context_ngram_size=3):
         self.run, self.head, self.taps = run, head, taps
+        self.context = (ContextNgrams(run, context_tokens, context_ngram_size, context_matches)
+                        if context_matches else None)
+        self.context_steps = 0  # steps whose tree held context nodes
         self.budget, self.width, self.depth = budget, width, depth
         self.waves = waves  # causal head: forwards per step at most
         self.sample = bool(run.generation_config.do_sample)
@@ -186,8 +193,11 @@ class DraftHeadProposer(Proposer):
         self.root_pos = run.next_positions()  # [active]
         budgets = (run.log.max_new_tokens - run.log.count[run.rows]).tolist()
         roots = self.roots.tolist()
-        builders = [TreeBuilder(r, self.budget, self.width, max(min(self.depth, b), 0), exact=not self.sample)
-                    for r, b in zip(roots, budgets)]
+        found = self.context.candidates() if self.context is not None else None
+        # the context matches share the tree budget: up to half of it is kept for them
+        reserve = [min(sum(map(len, f)), self.budget // 2) for f in found] if found else [0] * len(roots)
+        builders = [TreeBuilder(r, self.budget - k, self.width, max(min(self.depth, b), 0), exact=not self.sample)
+                    for r, b, k in zip(roots, budgets, reserve)]
         histories = run.histories()
         row_ids = run.rows.tolist()
         q_store: dict[tuple[int, int], torch.Tensor] = {}
@@ -196,7 +206,10 @@ class DraftHeadProposer(Proposer):
         else:
             self._grow_marginals(builders, histories, row_ids, q_store)
         self.ctx.end_step()
-        tree = self._pack(builders, q_store)
+        # with sampling, a tree holding context nodes (not drawn from q) is verified by sample-then-match
+        mixed = found is not None and self._add_context(builders, found)
+        self.context_steps += int(mixed)
+        tree = self._pack(builders, q_store, sample_then_match=mixed)
         self.steps += 1
         self.drafted_nodes += int((tree.num_nodes - 1).sum())
         self.host += time.perf_counter() - t_start - (self.ctx.seconds - head_before)
@@ -287,9 +300,29 @@ class DraftHeadProposer(Proposer):
             logits = self.head.logits(torch.stack([hidden[i, query_slot[i][v]] for i, v in flat]))
             self._evaluate(builders, flat, logits, histories, row_ids, q_store)
 
-    def _pack(self, builders, q_store) -> PackedTree:
+    def _add_context(self, builders, found) -> bool:
+        """Insert each row's context continuations into its head tree (a trie: shared prefixes merge)
+        within ``tree_budget`` drafted nodes; True when a node was added."""
+        added = False
+        for bld, cands in zip(builders, found):
+            child = {(p, t): v for v, (p, t) in enumerate(zip(bld.parents, bld.tokens)) if v}
+            for cand in cands:
+                node = 0
+                for tok in cand:
+                    if (node, tok) not in child:
+                        if len(bld.tokens) > self.budget:
+                            break
+                        child[(node, tok)] = len(bld.tokens)
+                        bld.tokens.append(tok)
+                        bld.parents.append(node)
+                        bld.depth.append(bld.depth[node] + 1)
+                        added = True
+                    node = child[(node, tok)]
+        return added
+
+    def _pack(self, builders, q_store, sample_then_match: bool = False) -> PackedTree:
         q = None
-        if self.sample:
+        if self.sample and not sample_then_match:
             q = torch.zeros(len(builders), max(len(bld.tokens) for bld in builders),
                             self.head.config.target_vocab_size, device=self.roots.device)
             for (i, v), dist in q_store.items():
@@ -322,6 +355,7 @@ class DraftHeadProposer(Proposer):
             drafting_cost=per_node / per_verify,
             head_seconds=self.ctx.seconds,
             draft_host_seconds=self.host,
+            **({} if self.context is None else {**self.context.stats, "context_step_share": self.context_steps / steps}),
         )
 
 
@@ -339,6 +373,9 @@ def speculative(
     tree_width: int = 8,
     tree_depth: int | None = None,
     tree_waves: int | None = None,
+    context_matches: int = 0,
+    context_tokens: int = 10,
+    context_ngram_size: int = 3,
     pd_streamer=None,
     **model_kwargs,
 ):
@@ -359,8 +396,16 @@ def speculative(
             chain takes one wave per level and the tree is capped near ``tree_waves x tree_width``
             nodes; more waves let large budgets fill (tau keeps rising with the budget) at one head
             forward each.
+        context_matches: continuations of the row's suffix found in its prompt and output (context
+            n-grams, as ``decoding="prompt_lookup"``) merged into the head's tree; they share
+            ``tree_budget`` (up to half of it is kept for them). 0 = none. With ``do_sample=True``
+            a step whose tree holds context nodes is verified by sample-then-match (lossless for
+            any tree; rejection sampling needs every child drawn from ``q``).
+        context_tokens: tokens of each context continuation.
+        context_ngram_size: longest suffix looked up in the context.
         pd_streamer (BaseStreamer | None): see :func:`hf_paralleldecode.jacobi`.
     """
+    check_context_settings(context_matches, context_tokens, context_ngram_size, None, False)
     drafter, depth = _check_settings(model, drafter, tree_budget, tree_width, tree_depth, tree_waves)
     if drafter.device != model.device or drafter.dtype != model.dtype:
         drafter.to(device=model.device, dtype=model.dtype)
@@ -369,9 +414,11 @@ def speculative(
     with HiddenStateTaps(model, drafter.config.target_layer_ids) as taps:  # hooks removed on exit
         return decode(
             model, "speculative",
-            lambda run: DraftHeadProposer(run, drafter, taps, tree_budget, tree_width, depth, waves),
+            lambda run: DraftHeadProposer(run, drafter, taps, tree_budget, tree_width, depth, waves, context_matches,
+                                          context_tokens, context_ngram_size),
             input_ids, logits_processor, stopping_criteria, generation_config, streamer, model_kwargs,
             dict(tree_budget=tree_budget, tree_width=tree_width, tree_depth=depth, head=drafter.config.attention,
+                 context_matches=context_matches, context_tokens=context_tokens, context_ngram_size=context_ngram_size,
                  **({"tree_waves": waves} if drafter.config.attention == "tree_causal" else {})),
             pd_streamer=pd_streamer,
         )

@@ -37,6 +37,8 @@ class PackedTree:
     mask: torch.Tensor  # [batch, nodes, nodes] bool: node i attends to node j (ancestor or self)
     is_chain: bool = False  # every row is a single path laid out in order (a Jacobi block)
     candidate_index: torch.Tensor | None = None  # [batch, candidates, length] node of each candidate token, -1 if absent
+    candidate_fresh: torch.Tensor | None = None  # [batch, candidates, length] the tokens that created their node
+    candidate_sources: torch.Tensor | None = None  # [batch, candidates] proposer id of each candidate (budgeted trees)
     q: torch.Tensor | None = None  # [batch, nodes, vocab] draft probabilities each node's children were drawn from
     _max_depth: int | None = None  # see max_depth
     _candidate_nodes: list | None = None  # see candidate_nodes
@@ -91,6 +93,8 @@ def pack_trees(
     roots: torch.Tensor,  # [batch] last committed token of each row
     candidates: Sequence[Sequence[Sequence[int]]],  # per row, candidate continuations (token lists)
     max_nodes: int | None = None,  # node budget per row, root included (None = no limit)
+    sources: Sequence[Sequence[int]] | None = None,  # per row, the proposer id of each candidate (with budget)
+    budget=None,  # a budget.CostAwareBudget (see pack_candidates)
 ) -> PackedTree:
     """Merge each row's candidates into a trie under its root and pack all rows for one forward.
 
@@ -108,8 +112,15 @@ def pack_trees(
     lengths = [[len(x) for x in c] + [0] * (num - len(c)) for c in candidates]
     padded = [[list(x) + [0] * (longest - len(x)) for x in c] + [[0] * longest] * (num - len(c)) for c in candidates]
     device = roots.device
+    source_ids = None
+    if budget is not None:
+        if sources is None or [len(x) for x in sources] != [len(c) for c in candidates]:
+            raise ValueError("pack_trees with a budget needs one source id per candidate.")
+        source_ids = torch.tensor([budget.keys(x) + [0] * (num - len(x)) for x in sources], dtype=torch.long,
+                                  device=device).reshape(batch, num)
     return pack_candidates(roots, torch.tensor(padded, dtype=torch.long, device=device).reshape(batch, num, longest),
-                           torch.tensor(lengths, dtype=torch.long, device=device).reshape(batch, num), max_nodes)
+                           torch.tensor(lengths, dtype=torch.long, device=device).reshape(batch, num), max_nodes,
+                           source_ids, budget)
 
 
 def pack_candidates(
@@ -117,6 +128,8 @@ def pack_candidates(
     tokens: torch.Tensor,  # [batch, num, length] candidate continuations, padded
     lengths: torch.Tensor,  # [batch, num] real tokens of each candidate (0 = no candidate)
     max_nodes: int | None = None,  # node budget per row, root included (None = no limit)
+    sources: torch.Tensor | None = None,  # [batch, num] budget.keys() of each candidate (with `budget`)
+    budget=None,  # a budget.CostAwareBudget: which optional nodes are worth their cost
 ) -> PackedTree:
     """:func:`pack_trees` on padded tensors, with no per-token Python: the trie comes from prefix equality.
 
@@ -125,6 +138,12 @@ def pack_candidates(
     numbered in insertion order (candidate by candidate, token by token), which is topological,
     and the first ``max_nodes - 1`` of them are kept: exactly what inserting the candidates one by
     one into a trie, stopping at the budget, gives.
+
+    With ``budget`` (and ``sources``), nodes are ranked instead: those of mandatory sources first,
+    then the others by their estimated acceptance ``P`` (the minimum along their path, so a parent
+    always ranks before its child), and the budget chooses how many optional nodes are worth their
+    cost (:mod:`~.budget`); ``max_nodes`` still caps the total. ``candidate_fresh`` marks the
+    candidate tokens that created a node (what the acceptance model learns from).
     """
     if max_nodes is not None and max_nodes < 1:
         raise ValueError(f"max_nodes must be >= 1, got {max_nodes}.")
@@ -142,9 +161,11 @@ def pack_candidates(
     same = agree.long().cummin(dim=-1).values.bool()
     owner = same.long().argmax(dim=2)  # [batch, num, length] first candidate holding this prefix
     fresh = valid & (owner == torch.arange(num, device=device)[None, :, None])
+    if budget is not None:
+        fresh = _budgeted(fresh, owner, valid, sources, budget, max_nodes)
+    elif max_nodes is not None:
+        fresh &= fresh.reshape(batch, -1).cumsum(1).reshape(batch, num, length) < max_nodes
     ids = fresh.reshape(batch, -1).long().cumsum(1).reshape(batch, num, length)  # node id of each fresh token
-    if max_nodes is not None:
-        fresh &= ids < max_nodes
     ids = torch.where(fresh, ids, -1)
     node = ids.gather(1, owner)  # [batch, num, length] node of each candidate token (-1: cut by the budget)
     node = torch.where(valid, node, -1)
@@ -165,7 +186,32 @@ def pack_candidates(
     max_depth = int(torch.where(node >= 0, pos + 1, 0).max()) if node.numel() else 0
     num_nodes = fresh.sum((1, 2)) + 1
     return PackedTree(out_tokens, out_parents, out_depth, num_nodes, ancestor_mask(out_parents, max_depth),
-                      candidate_index=node, _max_depth=max_depth)
+                      candidate_index=node, candidate_fresh=fresh, candidate_sources=sources, _max_depth=max_depth)
+
+
+def _budgeted(fresh, owner, valid, sources, budget, max_nodes):
+    """The fresh tokens kept under ``budget``: mandatory nodes first, then optional ones by P, as many as pay."""
+    batch, num, length = owner.shape
+    value = budget.acceptance.values(sources, length)  # each candidate's own estimate
+    value = value.gather(1, owner).cummin(dim=-1).values  # the node's: its holder's, never above its parent's
+    mandatory = budget.is_mandatory(sources)
+    # a node is mandatory when any candidate through it is (so a mandatory path's ancestors are too)
+    flat_node = (owner * length + torch.arange(length, device=owner.device)).reshape(batch, -1)
+    node_mand = torch.zeros(batch, num * length, dtype=torch.long, device=owner.device)
+    node_mand.scatter_reduce_(1, flat_node, (mandatory[..., None] & valid).long().reshape(batch, -1), "amax")
+    mand = node_mand.reshape(batch, num, length).bool() & fresh
+    # rank: mandatory first (insertion order), then by P (ties: insertion order, so parents first)
+    score = torch.where(mand, float("inf"), torch.where(fresh, value, float("-inf"))).reshape(batch, -1)
+    ordered, order = torch.sort(score, dim=1, descending=True, stable=True)
+    total = order.shape[1]
+    ranks = torch.empty_like(order).scatter_(1, order, torch.arange(total, device=order.device).expand_as(order))
+    mand_count = mand.sum((1, 2))
+    idx = mand_count[:, None] + torch.arange(total, device=order.device)
+    optional = torch.where(idx < total, ordered.gather(1, idx.clamp(max=total - 1)), float("-inf"))
+    limit = mand_count + budget.choose(optional, (value * mand).sum((1, 2)), mand_count)
+    if max_nodes is not None:
+        limit = limit.clamp(max=max_nodes - 1)
+    return fresh & (ranks.reshape(batch, num, length) < limit[:, None, None])
 
 
 def tree_from_parents(

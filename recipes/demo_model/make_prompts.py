@@ -1,9 +1,12 @@
-"""Write the benchmark/demo prompts: function openings from the held-out ``test/`` package.
+"""Write the benchmark/demo prompts from the held-out ``test/`` package of the standard library.
 
     python recipes/demo_model/make_prompts.py --out hf_paralleldecode/assets/prompts/stdlib_test.jsonl
+    python recipes/demo_model/make_prompts.py --style midfile --out hf_paralleldecode/assets/prompts/stdlib_test_midfile.jsonl
 
-Each prompt is up to ``--context_lines`` lines ending with a ``def`` line and the indentation of
-its body, taken from files of the standard library's ``test/`` package (never seen in training).
+``--style def`` (default): each prompt is up to ``--context_lines`` lines ending with a ``def`` line
+and the indentation of its body. ``--style midfile``: each prompt is a window of ``--window_chars``
+characters cut from the middle of a file (starting at a line boundary), the way an editor asks for
+a completion in the middle of existing code. Files of the ``test/`` package are never seen in training.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ def main(argv=None):
     p.add_argument("--split", choices=["test", "train"], default="test",
                    help="test: the held-out test/ package (benchmarks); train: the training files (trajectories)")
     p.add_argument("--per_file", type=int, default=1, help="function openings taken per file")
+    p.add_argument("--style", choices=["def", "midfile"], default="def")
+    p.add_argument("--window_chars", type=int, default=240, help="--style midfile: characters per prompt")
     p.add_argument("--continuation_lines", type=int, default=0,
                    help="also write the file's next N lines as `continuation` (the corpus text after the prompt: "
                         "`regenerate --response-column continuation` trains a head on it, the Table 6 ablation)")
@@ -36,6 +41,15 @@ def main(argv=None):
     step = max(len(files) * args.per_file // args.num_prompts, 1)
     prompts = []
     for f in files[::step]:
+        if args.style == "midfile":
+            text = read_text(f)
+            start = text.find("\n", len(text) // 2) + 1  # the first line boundary after the middle
+            window = text[start : start + args.window_chars]
+            if start > 0 and len(window) == args.window_chars:
+                prompts.append({"prompt": window, "source": f"{args.split}:{f.name}:char{start}"})
+            if len(prompts) >= args.num_prompts:
+                break
+            continue
         lines = read_text(f).splitlines()
         taken = 0
         for i, line in enumerate(lines[args.context_lines :], start=args.context_lines):
