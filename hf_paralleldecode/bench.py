@@ -498,6 +498,31 @@ def plot_scaling(report: dict, key: str, path: str | Path) -> bool:
     return _save(plt, fig, path)
 
 
+def plot_batch_sizes(reports: list[dict], path: str | Path) -> bool:
+    """Tokens/s and TPF of every entry against the batch size (one report per batch size)."""
+    plt = _pyplot("batch-size")
+    if plt is None or len(reports) < 2:
+        return False
+    reports = sorted(reports, key=lambda r: r["batch_size"])
+    sizes = [r["batch_size"] for r in reports]
+    labels = list(reports[0]["results"])
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for ax, (metric, title) in zip(axes, [("tokens_per_second", "tokens/s (end to end, all rows)"),
+                                          ("tpf", "tokens per forward per row (TPF)")]):
+        for i, lab in enumerate(labels):
+            ys = [r["results"][lab][metric] if lab in r["results"] else float("nan") for r in reports]
+            ax.plot(sizes, ys, marker="o", label=lab, color="#888888" if lab == "ar" else f"C{i}")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sizes, [str(b) for b in sizes])
+        ax.set_xlabel("batch size")
+        ax.set_title(title, fontsize=10)
+    axes[0].legend(fontsize=7)
+    first = reports[0]
+    fig.suptitle(f"{first['model']} on {first['device']} ({first['dtype']}), {first['prompts']} prompts x "
+                 f"{first['max_new_tokens']} new tokens", fontsize=10)
+    return _save(plt, fig, path)
+
+
 def format_report(report: dict) -> str:
     """The results as a text table; the first column is as wide as the longest label."""
     w = max(12, *(len(lab) for lab in report["results"])) + 2

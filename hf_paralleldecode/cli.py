@@ -111,21 +111,35 @@ def _prompts(args, default_count):
 
 
 def _bench(args) -> int:
+    from pathlib import Path
 
-    from .bench import format_report, parse_strategy, run_benchmark
+    from .bench import format_report, parse_strategy, plot_batch_sizes, run_benchmark
 
     strategies = [parse_strategy(s) for s in args.strategies]
     prompts = _prompts(args, None)  # bad input fails before the model loads
+    sizes = args.batch_sizes or [args.batch_size]
+    if any(b < 1 for b in sizes):
+        raise ValueError(f"batch sizes must be >= 1, got {sizes}.")
     model, tokenizer, name = _load(args)
-    report = run_benchmark(
-        model, tokenizer, prompts, strategies, max_new_tokens=args.max_new_tokens,
-        repeats=args.repeats, batch_size=args.batch_size, output_dir=args.output_dir, model_name=name,
-    )
-    print(format_report(report))
-    if report.get("files"):
-        print("\nwrote " + ", ".join(report["files"]))
-    if args.json:
-        print(json.dumps(report, indent=2, sort_keys=True))
+    reports = []
+    for b in sizes:
+        out = args.output_dir if args.output_dir is None or len(sizes) == 1 else Path(args.output_dir) / f"batch{b}"
+        report = run_benchmark(
+            model, tokenizer, prompts, strategies, max_new_tokens=args.max_new_tokens,
+            repeats=args.repeats, batch_size=b, output_dir=out, model_name=name,
+        )
+        reports.append(report)
+        if len(sizes) > 1:
+            print(f"\nbatch size {b}")
+        print(format_report(report))
+        if report.get("files"):
+            print("\nwrote " + ", ".join(report["files"]))
+        if args.json:
+            print(json.dumps(report, indent=2, sort_keys=True))
+    if len(sizes) > 1 and args.output_dir is not None:
+        chart = Path(args.output_dir) / "batch_sizes.png"
+        if plot_batch_sizes(reports, chart):
+            print(f"\nwrote {chart}")
     return 0
 
 
@@ -322,6 +336,9 @@ def main(argv=None) -> int:
                                                              "jacobi:block_size=64"],
                          help="name:key=value,... e.g. jacobi:block_size=16")
     p_bench.add_argument("--repeats", type=int, default=3)
+    p_bench.add_argument("--batch-sizes", type=int, nargs="+", default=None,
+                         help="run the comparison at each batch size (overrides --batch-size); with --output-dir, "
+                              "one report per size under batch<B>/ and batch_sizes.png (tokens/s and TPF vs batch size)")
     p_bench.add_argument("--output-dir", default="bench_out")
     p_bench.add_argument("--json", action="store_true", help="also print the JSON report")
     p_bench.set_defaults(func=_bench)

@@ -37,11 +37,12 @@ def test_benchmark_reports_every_figure_and_writes_json_and_png(tmp_path, batch_
         assert r["exact_match_vs_ar"] == 1.0
         assert r["tpf"] >= 0.99 or batch_size > 1
         assert 0 <= r["loop_overhead"] < 1
+        assert r["host_ms_per_step"] > 0
         assert r["tokens_per_second"] > 0 and r["decode_tokens_per_second"] > 0
     assert abs(report["results"]["ar"]["tpf"] - 1.0) < 1e-9 or batch_size > 1
     assert json.loads((tmp_path / "bench.json").read_text())["repeats"] == 2
     assert (tmp_path / "bench.png").stat().st_size > 1000
-    assert "jacobi(block_size=16)" in format_report(report)
+    assert "jacobi(block_size=16)" in format_report(report) and "host ms/step" in format_report(report)
 
 
 def test_cli_env(capsys):
@@ -146,3 +147,22 @@ def test_cli_drafter_flag_attaches_a_head_for_speculative_and_dflash(tmp_path, c
         with pytest.raises(SystemExit) as exc:
             cli.main([*argv, *extra])
         assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_cli_bench_at_several_batch_sizes_writes_one_report_each_and_the_batch_chart(tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(f'{{"prompt": "def f{i}(x):\\n    return"}}\n' for i in range(4)))
+    code = cli.main(["bench", "--model", "random-tiny", "--prompts", str(prompts), "--max-new-tokens", "6",
+                     "--repeats", "1", "--strategies", "prompt_lookup", "jacobi_forcing:context_matches=2",
+                     "--batch-sizes", "1", "2", "--output-dir", str(tmp_path / "o")])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "batch size 1" in out and "batch size 2" in out
+    for b in (1, 2):
+        report = json.loads((tmp_path / "o" / f"batch{b}" / "bench.json").read_text())
+        assert report["batch_size"] == b
+        assert all(r["exact_match_vs_ar"] == 1.0 for r in report["results"].values())
+    assert (tmp_path / "o" / "batch_sizes.png").stat().st_size > 1000
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", "--model", "random-tiny", "--prompts", str(prompts), "--batch-sizes", "0"])
+    assert exc.value.code == 2 and "batch sizes must be >= 1" in capsys.readouterr().err

@@ -1,0 +1,89 @@
+"""Cost-aware budgets: the forward-cost curve, the acceptance model, the choice rule, and their use in packing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from models import enabled, prompts
+
+from hf_paralleldecode.decoding.budget import AcceptanceModel, CostAwareBudget, ForwardCost, forward_cost
+from hf_paralleldecode.decoding.tree import pack_trees
+from hf_paralleldecode.decoding.verify import Verdict, walk_tree
+
+
+def flat_budget(cost=None, mandatory=()):
+    return CostAwareBudget(None, num_sources=3, mandatory_sources=mandatory,
+                           cost=cost or ForwardCost([(1, 1.0), (256, 1.0)]))
+
+
+def test_forward_cost_interpolates_is_non_decreasing_and_follows_the_run_level():
+    cost = ForwardCost([(1, 1.0), (4, 0.5), (8, 3.0)])  # timing noise: 4 tokens "cheaper" than 1
+    assert cost.points == [(1, 1.0), (4, 1.0), (8, 3.0)]
+    assert cost(2) == pytest.approx(1.0) and cost(6) == pytest.approx(2.0) and cost(10) == pytest.approx(4.0)
+    for _ in range(100):
+        cost.observe(8, 6.0)  # the run's forwards take twice the calibration
+    assert cost(8) == pytest.approx(6.0, rel=1e-3)
+    with pytest.raises(ValueError):
+        ForwardCost([(1, 1.0)])
+
+
+def test_forward_cost_is_measured_once_per_model():
+    model = enabled("llama")
+    first = forward_cost(model, repeats=1)
+    assert [n for n, _ in first.points][:3] == [1, 2, 4] and all(s > 0 for _, s in first.points)
+    assert forward_cost(model).points == first.points  # cached: same shape, fresh level
+
+
+def test_acceptance_model_counts_fresh_nodes_by_source_rank_and_depth():
+    budget = flat_budget()
+    tree = pack_trees(torch.tensor([0]), [[[1, 2, 3, 4], [1, 6], [7]]], sources=[[2, 2, 1]], budget=budget)
+    # keys: source 2 rank 0 -> 8, source 2 rank 1 -> 9, source 1 rank 0 -> 4
+    assert tree.candidate_sources.tolist() == [[8, 9, 4]]
+    choices = torch.tensor([[1, 2, 3, 9, 9, 9, 9]])[:, : tree.width]  # accepts 1, 2, 3; rejects 4
+    path, num = walk_tree(tree, choices)
+    budget.learn(tree, Verdict(path, num, None, None))
+    trials, hits = budget.acceptance.trials - 2, budget.acceptance.hits - 1  # minus the Beta(1, 1) prior
+    assert trials[8, :5].tolist() == [1, 1, 1, 1, 0] and hits[8, :5].tolist() == [1, 1, 1, 0, 0]
+    # candidate 9 shares its first token with 8: only its second token (depth 1) is its own node
+    assert trials[9, :3].tolist() == [0, 1, 0] and hits[9, :3].tolist() == [0, 0, 0]
+    assert trials[4, :2].tolist() == [1, 0] and hits[4, :2].tolist() == [0, 0]
+
+
+def test_choice_takes_optional_nodes_while_they_pay():
+    # flat cost: every node with P > 0 pays; steep cost: none does
+    optional = torch.tensor([[0.9, 0.5, 0.1, float("-inf")]])
+    zero = torch.zeros(1)
+    assert flat_budget().choose(optional, zero, zero.long()) == 3
+    steep = flat_budget(ForwardCost([(1, 1.0), (2, 10.0)]))
+    assert steep.choose(optional, zero, zero.long()) == 0
+    # T(n) = 1 + 0.5 n: tokens per second of k = 0..3 optional nodes are (1 + sum of the first k P) / T(k + 1)
+    linear = flat_budget(ForwardCost([(1, 1.5), (2, 2.0), (3, 2.5), (4, 3.0)]))
+    ratios = [1 / 1.5, 1.9 / 2.0, 2.4 / 2.5, 2.5 / 3.0]
+    assert linear.choose(optional, zero, zero.long()) == max(range(4), key=ratios.__getitem__) == 2
+
+
+def test_budgeted_packing_keeps_mandatory_nodes_and_takes_optional_ones_best_first():
+    budget = flat_budget(ForwardCost([(1, 1.0), (2, 10.0)]), mandatory=(0,))  # optional nodes never pay
+    tree = pack_trees(torch.tensor([0]), [[[1, 2, 3], [4, 5]]], sources=[[0, 2]], budget=budget)
+    assert tree.tokens[0].tolist() == [0, 1, 2, 3]  # the mandatory chain only
+    budget = flat_budget(mandatory=(0,))  # every node pays, the cap decides: best P first
+    budget.acceptance.hits[8, 0] = budget.acceptance.trials[8, 0]  # context rank 0 at depth 0: always right
+    tree = pack_trees(torch.tensor([0]), [[[1, 2, 3], [4, 5], [6, 7]]], sources=[[0, 2, 1]], budget=budget,
+                      max_nodes=6)
+    assert tree.tokens[0].tolist() == [0, 1, 2, 3, 4, 5]  # chain, then the confident context match
+    assert tree.candidate_nodes[0] == [[1, 2, 3], [4, 5], []]
+    with pytest.raises(ValueError, match="source id per candidate"):
+        pack_trees(torch.tensor([0]), [[[1]]], budget=budget)
+
+
+@pytest.mark.parametrize("decoding, settings", [("prompt_lookup", {}), ("lookahead", dict(context_matches=2)),
+                                                ("jacobi_forcing", dict(block_size=4, context_matches=2))])
+def test_cost_aware_strategies_report_their_choice(decoding, settings):
+    model = enabled("llama")
+    ids, mask = prompts(3)
+    ids, mask = torch.cat([ids, ids], 1), torch.cat([mask, mask], 1)
+    ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False)
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False, decoding=decoding,
+                         cost_aware=True, return_dict_in_generate=True, **settings)
+    assert torch.equal(out.sequences, ref)
+    assert out.stats["budget_optional_nodes_per_step"] >= 0 and out.stats["forward_cost"]["tokens"][0] == 1
