@@ -6,7 +6,7 @@ import pytest
 import torch
 from models import enabled, prompts
 
-from hf_paralleldecode.decoding.budget import AcceptanceModel, CostAwareBudget, ForwardCost, forward_cost
+from hf_paralleldecode.decoding.budget import CostAwareBudget, ForwardCost, forward_cost
 from hf_paralleldecode.decoding.tree import pack_trees
 from hf_paralleldecode.decoding.verify import Verdict, walk_tree
 
