@@ -167,3 +167,25 @@ def test_vectorised_walk_equals_a_per_depth_walk():
                 expect.append(node)
             assert int(num[b]) == len(expect) - 1
             assert path[b, : len(expect)].tolist() == expect and (path[b, len(expect):] == -1).all()
+
+
+def test_host_walk_of_small_trees_equals_the_vectorised_walk(monkeypatch):
+    import random
+
+    from hf_paralleldecode.decoding import verify
+
+    rng = random.Random(2)
+    for _ in range(200):
+        batch = rng.randint(1, 4)
+        cands = [[[rng.randrange(3) for _ in range(rng.randint(0, 5))] for _ in range(rng.randint(0, 4))]
+                 for _ in range(batch)]
+        tree = pack_trees(torch.tensor([rng.randrange(3) for _ in range(batch)]), cands)
+        scores = torch.randn(batch, tree.width, 3)
+        monkeypatch.setattr(verify, "HOST_WALK_NODES", 10**9)
+        host = verify.verify_tree(tree, scores, False)
+        monkeypatch.setattr(verify, "HOST_WALK_NODES", 0)
+        vec = verify.verify_tree(tree, scores, False)
+        assert torch.equal(host.path, vec.path) and torch.equal(host.num_accepted, vec.num_accepted)
+        for b in range(batch):
+            n = int(vec.num_accepted[b]) + 1
+            assert host.tokens[b, :n].tolist() == vec.tokens[b, :n].tolist()

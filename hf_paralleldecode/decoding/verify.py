@@ -167,6 +167,35 @@ def rejection_walk(tree, p: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor
     return torch.stack(path, dim=1), num, next_token
 
 
+#: trees of at most this many nodes (all rows) are walked in Python on host lists: one copy of the
+#: few small tensors beats the dozens of tiny tensor operations of the vectorised walk (``walk_tree``)
+HOST_WALK_NODES = 256
+
+
+def _walk_on_host(tree, choices: torch.Tensor) -> Verdict:
+    """:func:`walk_tree` + the committed tokens for a small tree, in Python (greedy / sample-then-match)."""
+    batch = choices.shape[0]
+    device = choices.device
+    depth_slots = tree.max_depth + 1
+    tokens_l, parents_l, choices_l = tree.tokens.tolist(), tree.parents.tolist(), choices.tolist()
+    nodes_l = tree.num_nodes.tolist()
+    paths, nums, committed = [], [], []
+    for b in range(batch):
+        toks, pars, ch = tokens_l[b], parents_l[b], choices_l[b]
+        children: dict[tuple[int, int], int] = {}
+        for v in range(1, nodes_l[b]):
+            children.setdefault((pars[v], toks[v]), v)  # the first such child, as the vectorised walk
+        node, path = 0, [0]
+        while (node, ch[node]) in children:
+            node = children[(node, ch[node])]
+            path.append(node)
+        nums.append(len(path) - 1)
+        committed.append([toks[v] for v in path[1:]] + [ch[node]] + [0] * (depth_slots - len(path)))
+        paths.append(path + [-1] * (depth_slots - len(path)))
+    return Verdict(path=torch.tensor(paths, device=device), num_accepted=torch.tensor(nums, device=device),
+                   tokens=torch.tensor(committed, device=device), choices=choices)
+
+
 def verify_tree(tree, scores: torch.Tensor, do_sample: bool, q: torch.Tensor | None = None) -> Verdict:
     """Apply the rule that fits (greedy / sample-then-match / rejection sampling) to one packed tree.
 
@@ -183,6 +212,8 @@ def verify_tree(tree, scores: torch.Tensor, do_sample: bool, q: torch.Tensor | N
             choices = torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1).reshape(probs.shape[:2])
         else:
             choices = scores.argmax(-1)  # [batch, nodes]
+        if not tree.is_chain and choices.numel() <= HOST_WALK_NODES:
+            return _walk_on_host(tree, choices)
         path, num = walk_tree(tree, choices)
         nxt = choices.gather(1, path.gather(1, num[:, None]).clamp(min=0)).squeeze(1)
     # committed tokens: the accepted nodes' tokens (below the root), then the bonus / recovered token
