@@ -135,6 +135,7 @@ def test_sampled_output_distribution_equals_stock(kind, warp):
     model = hfpd.enable(tiny_model("llama", vocab_size=vocab, initializer_range=0.05))
     head = head_for(model, kind, layers=1, block_size=3)
     ids = torch.tensor([[3, 4, 3, 4, 3]]).repeat(rows, 1)
+    warp = dict(warp)  # parametrize shares the dict between cases
     context = {k: warp.pop(k) for k in list(warp) if k.startswith("context_")}
     kwargs = dict(input_ids=ids, max_new_tokens=3, do_sample=True, eos_token_id=None, **warp)
     torch.manual_seed(0)

@@ -6,8 +6,9 @@ The rule
     followed as the run goes). It commits ``1 + E[accepted]`` tokens per row, and
     ``E[accepted] = sum of P(node accepted)`` over the drafted nodes (the nodes of one depth exclude
     each other, so their probabilities add up). ``P(node)`` is the product along the node's path of
-    ``c(source, depth)``: how often a node of that proposer at that depth was accepted when its
-    parent was (:class:`AcceptanceModel`, learned from the verdicts of the run, prior Beta(1, 1)).
+    ``c(source, rank, depth)`` of each node on it: how often a node created by that proposer's
+    candidate of that rank, at that depth, was accepted when its parent was
+    (:class:`AcceptanceModel`, learned from the verdicts of the run, prior Beta(1, 1)).
 
     Nodes a proposer needs whatever they are worth (a Jacobi block or lookahead window: its update
     reads their logits) are *mandatory*. The optional ones are taken best first (``P`` never grows
@@ -28,6 +29,7 @@ What it deliberately does not know
 from __future__ import annotations
 
 import time
+import weakref
 
 import torch
 
@@ -77,7 +79,7 @@ class ForwardCost:
         return {"tokens": [n for n, _ in self.points], "seconds": [s for _, s in self.points]}
 
 
-_COSTS: dict[tuple, ForwardCost] = {}  # (id(model), device, dtype) -> measured cost
+_COSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {(device, dtype): measured points}
 
 
 @torch.no_grad()
@@ -88,19 +90,21 @@ def forward_cost(model, context: int = 64, repeats: int = 5) -> ForwardCost:
     prefix held in a cache, timed with a device sync on CUDA. Costs a few dozen forwards.
     """
     device = next(model.parameters()).device
-    key = (id(model), str(device), str(next(model.parameters()).dtype))
-    if key in _COSTS:
-        return ForwardCost(_COSTS[key].points)  # a fresh level per run, the measured shape
+    key = (str(device), str(next(model.parameters()).dtype))
+    known = _COSTS.setdefault(model, {})
+    if key in known:
+        return ForwardCost(known[key])  # a fresh level per run, the measured shape
     from transformers.cache_utils import DynamicCache
 
     vocab = model.get_output_embeddings().weight.shape[0] if model.get_output_embeddings() is not None else 2
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *a: None)
+    generator = torch.Generator().manual_seed(0)  # the user's global RNG stays untouched
     points = []
     for n in MEASURED_TOKENS:
         times = []
         for _ in range(repeats + 1):  # the first is a warm-up
             cache = DynamicCache()
-            ids = torch.randint(0, vocab, (1, context + n), device=device)
+            ids = torch.randint(0, vocab, (1, context + n), generator=generator).to(device)
             model(input_ids=ids[:, :context], past_key_values=cache, use_cache=True)
             sync()
             t0 = time.perf_counter()
@@ -108,16 +112,15 @@ def forward_cost(model, context: int = 64, repeats: int = 5) -> ForwardCost:
             sync()
             times.append(time.perf_counter() - t0)
         points.append((n, sorted(times[1:])[len(times[1:]) // 2]))
-    _COSTS[key] = ForwardCost(points)
+    known[key] = ForwardCost(points).points
     return ForwardCost(points)
 
 
 class AcceptanceModel:
     """``c(source, depth)``: acceptance of a drafted node given its parent was accepted, learned online.
 
-    ``values(sources, length)`` gives each candidate token's ``P`` (product of ``c`` along the
-    candidate); ``update(tree, verdict, sources)`` counts, for every node a candidate created,
-    whether it was accepted when its parent was.
+    ``conditionals(sources, length)`` gives each candidate token's ``c``; ``update(tree, verdict)``
+    counts, for every node a candidate created, whether it was accepted when its parent was.
     """
 
     def __init__(self, num_sources: int, max_depth: int = 64, prior: tuple[float, float] = (1.0, 1.0), device=None):
@@ -127,12 +130,13 @@ class AcceptanceModel:
     def rates(self) -> torch.Tensor:
         return self.hits / self.trials  # [sources, depth]
 
-    def values(self, sources: torch.Tensor, length: int) -> torch.Tensor:
-        """``[batch, candidates, length]`` P of each candidate token (``sources`` ``[batch, candidates]``)."""
+    def conditionals(self, sources: torch.Tensor, length: int) -> torch.Tensor:
+        """``[batch, candidates, length]``: ``c`` of each candidate token's key at its depth (``sources``
+        ``[batch, candidates]``); a node's ``P`` is the product of these along its path."""
         rates = self.rates()
         if length > rates.shape[1]:
             rates = torch.cat([rates, rates[:, -1:].expand(-1, length - rates.shape[1])], dim=1)
-        return rates[sources.clamp(min=0), :length].cumprod(-1)
+        return rates[sources.clamp(min=0), :length]
 
     def update(self, tree, verdict) -> None:
         """Count the fresh candidate nodes of ``tree`` (see :func:`~.tree.pack_candidates`) by source and depth."""
@@ -208,8 +212,9 @@ class CostAwareBudget:
 
     def choose(self, optional: torch.Tensor, mandatory_gain: torch.Tensor, mandatory_width: torch.Tensor) -> int:
         """``k`` optional nodes per row (see the rule). ``optional`` ``[batch, n]``: each row's optional
-        node values, best first (``-inf`` past the row's last); ``mandatory_gain`` / ``mandatory_width``
-        ``[batch]``: sum of P and count of the row's mandatory nodes."""
+        node values, best first (``-inf`` past the row's last, or past what a node cap leaves room
+        for); ``mandatory_gain`` / ``mandatory_width`` ``[batch]``: sum of P and count of the row's
+        mandatory nodes."""
         batch, n = optional.shape
         values = optional.clamp(min=0).nan_to_num(0.0)
         available = (optional > float("-inf")).sum(1)  # [batch]

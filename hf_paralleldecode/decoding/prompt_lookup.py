@@ -13,7 +13,8 @@ What it does
     and drafts a single chain.
 
 Cost
-    Matching is a few tensor comparisons per row and n-gram size; nothing is stored between steps.
+    Matching is a few tensor comparisons per row and n-gram size; nothing is stored between steps
+    (with ``cost_aware=True``, the budget keeps its acceptance counts and timings).
 """
 
 from __future__ import annotations

@@ -207,11 +207,11 @@ class DraftHeadProposer(Proposer):
             self._grow_marginals(builders, histories, row_ids, q_store)
         self.ctx.end_step()
         # with sampling, a tree holding context nodes (not drawn from q) is verified by sample-then-match
+        self.drafted_nodes += sum(len(bld.tokens) - 1 for bld in builders)  # the head's nodes (drafting_cost)
         mixed = found is not None and self._add_context(builders, found)
         self.context_steps += int(mixed)
         tree = self._pack(builders, q_store, sample_then_match=mixed)
         self.steps += 1
-        self.drafted_nodes += int((tree.num_nodes - 1).sum())
         self.host += time.perf_counter() - t_start - (self.ctx.seconds - head_before)
         return tree
 

@@ -99,7 +99,8 @@ def pack_trees(
     """Merge each row's candidates into a trie under its root and pack all rows for one forward.
 
     Candidates are inserted in the order given until the node budget is spent (a candidate that
-    does not fit is truncated), so put the most promising first. ``candidate_nodes[row][k]`` lists
+    does not fit is truncated), so put the most promising first (with ``budget``, nodes are ranked
+    instead, see :func:`pack_candidates`). ``candidate_nodes[row][k]`` lists
     the node holding each (inserted) token of candidate ``k``, e.g. to read a lookahead column's
     logits (``candidate_index`` holds the same as a tensor). The lists are padded into one tensor
     and merged by :func:`pack_candidates`.
@@ -192,8 +193,9 @@ def pack_candidates(
 def _budgeted(fresh, owner, valid, sources, budget, max_nodes):
     """The fresh tokens kept under ``budget``: mandatory nodes first, then optional ones by P, as many as pay."""
     batch, num, length = owner.shape
-    value = budget.acceptance.values(sources, length)  # each candidate's own estimate
-    value = value.gather(1, owner).cummin(dim=-1).values  # the node's: its holder's, never above its parent's
+    # P of a node: the product along its path of each node's conditional c (read from the candidate
+    # that created that node); every c <= 1, so P never grows along a path
+    value = budget.acceptance.conditionals(sources, length).gather(1, owner).cumprod(dim=-1)
     mandatory = budget.is_mandatory(sources)
     # a node is mandatory when any candidate through it is (so a mandatory path's ancestors are too)
     flat_node = (owner * length + torch.arange(length, device=owner.device)).reshape(batch, -1)
@@ -206,8 +208,12 @@ def _budgeted(fresh, owner, valid, sources, budget, max_nodes):
     total = order.shape[1]
     ranks = torch.empty_like(order).scatter_(1, order, torch.arange(total, device=order.device).expand_as(order))
     mand_count = mand.sum((1, 2))
-    idx = mand_count[:, None] + torch.arange(total, device=order.device)
-    optional = torch.where(idx < total, ordered.gather(1, idx.clamp(max=total - 1)), float("-inf"))
+    steps = torch.arange(total, device=order.device)
+    idx = mand_count[:, None] + steps
+    room = idx < total
+    if max_nodes is not None:  # the cap: the choice only weighs optional nodes that can enter
+        room &= idx < max_nodes - 1
+    optional = torch.where(room, ordered.gather(1, idx.clamp(max=total - 1)), float("-inf"))
     limit = mand_count + budget.choose(optional, (value * mand).sum((1, 2)), mand_count)
     if max_nodes is not None:
         limit = limit.clamp(max=max_nodes - 1)
@@ -221,7 +227,11 @@ def tree_from_parents(
     rows_depth: Sequence[Sequence[int]],  # per row: depth of each node (0 for the root)
     q: torch.Tensor | None = None,
 ) -> PackedTree:
-    """Pack per-row node lists (already in topological order) into one :class:`PackedTree`."""
+    """Pack per-row node lists (already in topological order) into one :class:`PackedTree`.
+
+    Siblings must hold distinct tokens (a trie): the verifier accepts the child equal to the
+    target's choice, and two equal siblings would make that ambiguous.
+    """
     width = max(map(len, rows_tokens))
     device = roots.device
     root_list = roots.tolist()
@@ -239,7 +249,7 @@ def ancestor_mask(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
     """``[batch, nodes, nodes]`` bool, node ``i`` sees node ``j`` iff ``j`` is ``i`` or an ancestor of it.
 
     Pointer doubling: after round ``k`` every row holds its ancestors up to distance ``2**k``, so
-    ``ceil(log2(max_depth))`` rounds of one gather each (no host sync, no per-node work).
+    ``ceil(log2(max_depth))`` rounds of two gathers each (no host sync, no per-node work).
     ``parents`` is ``[batch, nodes]`` with ``-1`` for the root and filler nodes.
     """
     batch, width = parents.shape

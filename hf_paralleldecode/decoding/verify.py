@@ -184,7 +184,7 @@ def _walk_on_host(tree, choices: torch.Tensor) -> Verdict:
         toks, pars, ch = tokens_l[b], parents_l[b], choices_l[b]
         children: dict[tuple[int, int], int] = {}
         for v in range(1, nodes_l[b]):
-            children.setdefault((pars[v], toks[v]), v)  # the first such child, as the vectorised walk
+            children.setdefault((pars[v], toks[v]), v)  # siblings hold distinct tokens (PackedTree's invariant)
         node, path = 0, [0]
         while (node, ch[node]) in children:
             node = children[(node, ch[node])]
