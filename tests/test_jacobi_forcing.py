@@ -11,7 +11,7 @@ def test_k1_pool0_reduces_to_plain_jacobi():
     ids, mask = prompts(3)
     kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=40, do_sample=False, eos_token_id=None,
                   return_dict_in_generate=True)
-    jf = model.generate(**kwargs, decoding="jacobi_forcing", num_blocks=1, pool_size=0, block_size=8)
+    jf = model.generate(**kwargs, decoding="jacobi_forcing", num_blocks=1, pool_size=0, context_matches=0, block_size=8)
     jac = model.generate(**kwargs, decoding="jacobi", block_size=8)
     assert torch.equal(jf.sequences, jac.sequences)
     assert jf.stats["recycled_wins"] == 0 and jf.stats["blocks_activated"] == 0

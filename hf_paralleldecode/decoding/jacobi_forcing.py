@@ -21,7 +21,7 @@ Algorithm (per row)
     one token tree and go through the general tree verifier (greedy, or sample-then-match) in ONE
     forward; the longest accepted path wins. The pool lives for the whole call.
 
-    With ``num_blocks=1`` and ``pool_size=0`` this reduces to plain Jacobi iteration.
+    With ``num_blocks=1``, ``pool_size=0`` and ``context_matches=0`` this reduces to plain Jacobi iteration.
 
 Defaults (``None``): the paper's GPU configuration ``n=64, K=2, r=0.85, pool_size=4`` on CUDA, and
 on CPU the configuration in :data:`CPU_DEFAULTS` (see ``docs/methods/jacobi_forcing.md`` for how it
@@ -47,17 +47,22 @@ CHAIN, POOL = 0, 1  # proposer ids of the candidates (ContextNgrams.SOURCE is th
 
 __all__ = ["jacobi_forcing", "GPU_DEFAULTS", "CPU_DEFAULTS"]
 
-GPU_DEFAULTS = dict(block_size=64, num_blocks=2, activation_ratio=0.85, pool_size=4)
-# Chosen by measurement: the block_size x pool_size grid (K=2, r=0.85 fixed, as the paper does) on the
-# embedded model, 2 CPU cores; (4, 8) had the highest end-to-end tokens/s. On a CPU every extra token
-# in a forward costs compute, so small blocks win (docs/methods/jacobi_forcing.md, "Measured").
-CPU_DEFAULTS = dict(block_size=4, num_blocks=2, activation_ratio=0.85, pool_size=8)
+GPU_DEFAULTS = dict(block_size=64, num_blocks=2, activation_ratio=0.85, pool_size=4, context_matches=0,
+                    context_tokens=10)
+# Chosen by measurement on the embedded models, 2 CPU cores. The block_size x pool_size grid (K=2, r=0.85
+# fixed, as the paper does) gave (4, 8) before context n-grams existed; on a CPU every extra token in a
+# forward costs compute, so small blocks win. Context n-grams then beat recycling at equal width: two
+# 6-token context matches and no pool gave 1.41x AR against 0.78x for (4, 8) on the base model, and 1.57x
+# against 1.28x on the Jacobi Forcing model (docs/tree-budgets.md, "Measured").
+CPU_DEFAULTS = dict(block_size=4, num_blocks=2, activation_ratio=0.85, pool_size=0, context_matches=2,
+                    context_tokens=6)
 
 
-def _check_settings(block_size, num_blocks, activation_ratio, pool_size, ngram_size, jacobi_seed, context_matches=0,
-                    context_tokens=10, context_ngram_size=3, tree_budget=None, cost_aware=False):
+def _check_settings(block_size, num_blocks, activation_ratio, pool_size, ngram_size, jacobi_seed, context_matches=None,
+                    context_tokens=None, context_ngram_size=3, tree_budget=None, cost_aware=False):
     """Values as given; ``None`` means "the device preset" and is filled in by :func:`_resolve_settings`."""
-    check_context_settings(context_matches, context_tokens, context_ngram_size, tree_budget, cost_aware)
+    check_context_settings(0 if context_matches is None else context_matches,
+                           10 if context_tokens is None else context_tokens, context_ngram_size, tree_budget, cost_aware)
     for name, value, low in (("block_size", block_size, 1), ("num_blocks", num_blocks, 1), ("pool_size", pool_size, 0),
                              ("ngram_size", ngram_size, 2), ("jacobi_seed", jacobi_seed, 0)):
         if value is not None:
@@ -69,15 +74,15 @@ def _check_settings(block_size, num_blocks, activation_ratio, pool_size, ngram_s
             raise ValueError(f"`activation_ratio` must be in (0, 1], got {activation_ratio}.")
 
 
-def _resolve_settings(model, block_size, num_blocks, activation_ratio, pool_size, ngram_size, jacobi_seed):
+def _resolve_settings(model, **given) -> dict:
+    """The settings with every ``None`` replaced by the device preset (``ngram_size``: ``max(block_size, 2)``)."""
     preset = GPU_DEFAULTS if model.device.type == "cuda" else CPU_DEFAULTS
-    block_size = preset["block_size"] if block_size is None else block_size
-    num_blocks = preset["num_blocks"] if num_blocks is None else num_blocks
-    activation_ratio = preset["activation_ratio"] if activation_ratio is None else activation_ratio
-    pool_size = preset["pool_size"] if pool_size is None else pool_size
-    ngram_size = max(block_size, 2) if ngram_size is None else ngram_size
-    _check_settings(block_size, num_blocks, activation_ratio, pool_size, ngram_size, jacobi_seed)
-    return block_size, num_blocks, float(activation_ratio), pool_size, ngram_size
+    out = {k: (preset[k] if v is None and k in preset else v) for k, v in given.items()}
+    if out["ngram_size"] is None:
+        out["ngram_size"] = max(out["block_size"], 2)
+    _check_settings(**out)
+    out["activation_ratio"] = float(out["activation_ratio"])
+    return out
 
 
 class MultiblockProposer(Proposer):
@@ -198,8 +203,8 @@ def jacobi_forcing(
     pool_size: int | None = None,
     ngram_size: int | None = None,
     jacobi_seed: int = 0,
-    context_matches: int = 0,
-    context_tokens: int = 10,
+    context_matches: int | None = None,
+    context_tokens: int | None = None,
     context_ngram_size: int = 3,
     tree_budget: int | None = None,
     cost_aware: bool = False,
@@ -212,28 +217,33 @@ def jacobi_forcing(
 
     Args:
         block_size: n, positions per block (default: 64 on CUDA, ``CPU_DEFAULTS`` on CPU).
+            Every ``None`` below is the device preset too (``GPU_DEFAULTS`` / ``CPU_DEFAULTS``).
         num_blocks: K, blocks in flight (1 real-active + up to K - 1 pseudo-active).
         activation_ratio: r in (0, 1]: converged share of the newest block before another is added.
         pool_size: recycled n-gram candidates verified per step (0 disables rejection recycling).
         ngram_size: length of recycled n-grams (default: ``max(block_size, 2)``).
         jacobi_seed: seed for the guesses of new blocks (drawn from the row's context).
         context_matches: continuations of the row's suffix found in its prompt and output (context
-            n-grams, as ``decoding="prompt_lookup"``) added to the tree each step; 0 = none.
-        context_tokens: tokens of each context continuation.
+            n-grams, as ``decoding="prompt_lookup"``) added to the tree each step; 0 = none
+            (default: 0 on CUDA, 2 on CPU).
+        context_tokens: tokens of each context continuation (default: 10 on CUDA, 6 on CPU).
         context_ngram_size: longest suffix looked up in the context.
         tree_budget: drafted nodes per step at most (``None``: no cap); the chain comes first.
         cost_aware: feed the optional nodes (context and recycled candidates) only when their
             expected gain pays for their cost on this device (``hf_paralleldecode.decoding.budget``).
         pd_streamer (BaseStreamer | None): see :func:`hf_paralleldecode.jacobi`.
     """
-    check_context_settings(context_matches, context_tokens, context_ngram_size, tree_budget, cost_aware)
-    n, K, r, pool, ngram = _resolve_settings(model, block_size, num_blocks, activation_ratio, pool_size,
-                                              ngram_size, jacobi_seed)
-    context = dict(context_matches=context_matches, context_tokens=context_tokens,
-                   context_ngram_size=context_ngram_size, tree_budget=tree_budget, cost_aware=cost_aware)
+    settings = _resolve_settings(
+        model, block_size=block_size, num_blocks=num_blocks, activation_ratio=activation_ratio, pool_size=pool_size,
+        ngram_size=ngram_size, jacobi_seed=jacobi_seed, context_matches=context_matches, context_tokens=context_tokens,
+        context_ngram_size=context_ngram_size, tree_budget=tree_budget, cost_aware=cost_aware)
     return decode(
-        model, "jacobi_forcing", lambda run: MultiblockProposer(run, n, K, r, pool, ngram, jacobi_seed, **context),
+        model, "jacobi_forcing",
+        lambda run: MultiblockProposer(run, settings["block_size"], settings["num_blocks"], settings["activation_ratio"],
+                                       settings["pool_size"], settings["ngram_size"], jacobi_seed,
+                                       settings["context_matches"], settings["context_tokens"], context_ngram_size,
+                                       tree_budget, cost_aware),
         input_ids, logits_processor, stopping_criteria, generation_config, streamer, model_kwargs,
-        dict(block_size=n, num_blocks=K, activation_ratio=r, pool_size=pool, ngram_size=ngram, **context),
+        {k: v for k, v in settings.items() if k != "jacobi_seed"},
         pd_streamer=pd_streamer,
     )

@@ -149,7 +149,7 @@ def lookahead(
     guess_set_size: int = 5,
     pool_from_prompt: bool = True,
     lookahead_seed: int = 0,
-    context_matches: int = 0,
+    context_matches: int = 2,
     context_tokens: int = 10,
     context_ngram_size: int = 3,
     tree_budget: int | None = None,
@@ -167,7 +167,8 @@ def lookahead(
         pool_from_prompt: seed the pool with the prompt's n-grams (good for code and edits).
         lookahead_seed: seed of the generator that refills window columns from the context.
         context_matches: continuations of the row's suffix found in its prompt and output (context
-            n-grams, as ``decoding="prompt_lookup"``) added to the tree each step; 0 = none.
+            n-grams, as ``decoding="prompt_lookup"``) added to the tree each step; 0 = none
+            (default 2: measured faster on both embedded models and both prompt sets).
         context_tokens: tokens of each context continuation.
         context_ngram_size: longest suffix looked up in the context.
         tree_budget: drafted nodes per step at most (``None``: no cap); window columns come first.

@@ -194,8 +194,10 @@ class DraftHeadProposer(Proposer):
         budgets = (run.log.max_new_tokens - run.log.count[run.rows]).tolist()
         roots = self.roots.tolist()
         found = self.context.candidates() if self.context is not None else None
-        # the context matches share the tree budget: up to half of it is kept for them
-        reserve = [min(sum(map(len, f)), self.budget // 2) for f in found] if found else [0] * len(roots)
+        # the context matches share the tree budget: up to half of it is kept for them (their distinct
+        # prefixes: tokens that several matches share count once)
+        reserve = [min(len({tuple(c[: k + 1]) for c in f for k in range(len(c))}), self.budget // 2) for f in found] \
+            if found else [0] * len(roots)
         builders = [TreeBuilder(r, self.budget - k, self.width, max(min(self.depth, b), 0), exact=not self.sample)
                     for r, b, k in zip(roots, budgets, reserve)]
         histories = run.histories()

@@ -88,6 +88,10 @@ class ProgressiveConsistencyConfig(_ParallelDecodingTrainingArguments):
     mask: str = field(default="noise_conditioned", metadata={"help": f"Attention mask variant, one of {MASKS}."})
     num_blocks: int = field(default=2, metadata={"help": "Decoding setting saved with the model: K blocks in flight."})
     pool_size: int = field(default=4, metadata={"help": "Decoding setting saved with the model: recycled candidates."})
+    context_matches: int = field(default=0, metadata={"help": "Decoding setting saved with the model: context n-gram "
+                                                              "continuations merged into each step's tree."})
+    context_tokens: int = field(default=10, metadata={"help": "Decoding setting saved with the model: tokens of each "
+                                                             "context continuation."})
 
     def __post_init__(self):
         super().__post_init__()
@@ -246,7 +250,8 @@ class ProgressiveConsistencyTrainer(_ParallelDecodingTrainer):
     def _decoding_config(self):
         a = self.args
         return ParallelDecodingConfig("jacobi_forcing", {"block_size": a.block_size, "num_blocks": a.num_blocks,
-                                                         "pool_size": a.pool_size})
+                                                         "pool_size": a.pool_size, "context_matches": a.context_matches,
+                                                         "context_tokens": a.context_tokens})
 
     def _term_counts(self, inputs):
         return torch.stack([inputs["pair_mask"].sum(), (inputs["labels"] != -100).sum()])
