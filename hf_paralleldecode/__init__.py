@@ -31,6 +31,7 @@ _LAZY = {
     "default_model_path": "loading",
     "load_default_model": "loading",
     "load_tokenizer": "loading",
+    "hardware_preset": "hardware",
 }
 
 __all__ = [
@@ -45,6 +46,7 @@ __all__ = [
     "enable",
     "export_draft_head",
     "get_decoding",
+    "hardware_preset",
     "is_enabled",
     "jacobi",
     "jacobi_forcing",
@@ -95,6 +97,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .decoding.speculative import speculative
     from .drafters.export import export_draft_head
     from .drafters.head import DraftHead, DraftHeadConfig
+    from .hardware import hardware_preset
     from .integration import ParallelDecodingMixin, enable, is_enabled
     from .loading import default_model_path, load_default_model, load_model, load_tokenizer
     from .registry import available_decodings, get_decoding, register_decoding

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import torch
 
+from ..hardware import preset_name
 from .base import Proposer, check_int_setting, checks_settings, decode
 from .budget import CostAwareBudget
 from .ngram_pool import NgramPool
@@ -75,8 +76,14 @@ def _check_settings(block_size, num_blocks, activation_ratio, pool_size, ngram_s
 
 
 def _resolve_settings(model, **given) -> dict:
-    """The settings with every ``None`` replaced by the device preset (``ngram_size``: ``max(block_size, 2)``)."""
-    preset = GPU_DEFAULTS if model.device.type == "cuda" else CPU_DEFAULTS
+    """The settings with every ``None`` replaced by the device preset (``ngram_size``: ``max(block_size, 2)``).
+
+    The preset is :func:`hf_paralleldecode.hardware_preset` for the model's device (``CPU_DEFAULTS`` on
+    a CPU; on CUDA the part's roofline preset, which on Hopper / Blackwell is the paper's ``GPU_DEFAULTS``).
+    """
+    from ..hardware import hardware_preset
+
+    preset = hardware_preset(model.device)["jacobi_forcing"]
     out = {k: (preset[k] if v is None and k in preset else v) for k, v in given.items()}
     if out["ngram_size"] is None:
         out["ngram_size"] = max(out["block_size"], 2)
@@ -244,6 +251,6 @@ def jacobi_forcing(
                                        settings["context_matches"], settings["context_tokens"], context_ngram_size,
                                        tree_budget, cost_aware),
         input_ids, logits_processor, stopping_criteria, generation_config, streamer, model_kwargs,
-        {k: v for k, v in settings.items() if k != "jacobi_seed"},
+        {**{k: v for k, v in settings.items() if k != "jacobi_seed"}, "hardware_preset": preset_name(model.device)},
         pd_streamer=pd_streamer,
     )

@@ -1,0 +1,161 @@
+"""Hardware presets: per-strategy settings derived from each GPU generation's datasheet roofline.
+
+The derivation (``docs/hardware.md``)
+    A decoder forward feeding ``n`` new tokens (all rows of the batch together) through a model
+    of ``P`` parameters in bf16 does about ``2 P n`` FLOPs and reads the weights once (``2 P``
+    bytes) plus the KV cache of its rows (``kv`` bytes per cached token, ``context`` tokens per
+    row, ``batch`` rows). Its arithmetic intensity is therefore
+
+        I(n) = 2 P n / (2 P + kv * context * batch)   FLOP per byte,
+
+    and the forward stays memory-bound, so that extra tokens ride along almost for free, while
+    ``I(n)`` is below the part's ridge point ``R = dense bf16 FLOP/s / memory bytes/s``. The
+    *knee* is
+
+        n* = R * (1 + kv * context * batch / (2 P))   tokens per forward.
+
+    A preset spends those ``n*`` tokens: divided by the batch they are each row's width, which
+    sets the block / window / tree sizes below (the budget shrinks under load). Measured
+    ``tune`` results for a device win over the paper preset.
+
+The CPU has no such knee worth the name (every token costs compute): its preset is what was
+measured on the embedded models (``jacobi_forcing.CPU_DEFAULTS``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["GpuSpec", "GPU_SPECS", "DEFAULT_MODEL", "knee_tokens", "hardware_preset", "preset_name"]
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    """One representative part of a compute capability, from its public datasheet."""
+
+    part: str
+    bf16_tflops: float  # dense (no sparsity) bf16 tensor-core TFLOP/s
+    memory_tbps: float  # memory bandwidth, TB/s
+
+    @property
+    def ridge(self) -> float:
+        """FLOP per byte where the part stops being memory-bound."""
+        return self.bf16_tflops / self.memory_tbps
+
+
+#: compute capability -> the representative part whose datasheet the preset is derived from
+GPU_SPECS: dict[tuple[int, int], GpuSpec] = {
+    (8, 0): GpuSpec("A100 SXM 80GB (Ampere)", 312.0, 2.039),
+    (8, 6): GpuSpec("A10 (Ampere)", 125.0, 0.600),
+    (8, 9): GpuSpec("L40S (Ada)", 362.0, 0.864),
+    (9, 0): GpuSpec("H200 SXM (Hopper; H100 SXM: 3.35 TB/s)", 989.0, 4.8),
+    (10, 0): GpuSpec("B200 (Blackwell)", 2250.0, 8.0),
+    # datasheet: 4 PFLOPS FP4 with sparsity; dense bf16 = / 2 (sparsity) / 4 (FP4 -> bf16)
+    (12, 0): GpuSpec("RTX PRO 6000 Blackwell (Blackwell, workstation)", 500.0, 1.792),
+}
+
+
+#: the model the presets are derived for by default: Qwen2.5-7B (the Jacobi Forcing seed's base), bf16;
+#: KV bytes per token = 28 layers x 4 KV heads x 128 dims x 2 (K and V) x 2 bytes
+DEFAULT_MODEL = dict(params=7.6e9, kv_bytes_per_token=57344.0, context=2048)
+
+
+def knee_tokens(spec: GpuSpec, params: float = 7.6e9, kv_bytes_per_token: float = 57344.0, context: int = 2048,
+                batch: int = 1) -> float:
+    """``n*``: tokens per forward (all rows) where the forward turns compute-bound (module docstring).
+
+    Defaults: :data:`DEFAULT_MODEL` (a 7B model with grouped-query attention, 2,048 tokens of
+    context per row).
+    """
+    return spec.ridge * (1.0 + kv_bytes_per_token * context * batch / (2.0 * params))
+
+
+def _pow2_floor(x: float, low: int, high: int) -> int:
+    p = low
+    while p * 2 <= min(x, high):
+        p *= 2
+    return p
+
+
+def _settings_for_width(width: float) -> dict[str, dict]:
+    """Per-strategy settings that spend about ``width`` tokens per row per forward."""
+    # Jacobi Forcing: K = 2 blocks of n (the chain, 2n tokens) must fit under the knee; the paper's
+    # n=64, pool 4 is the anchor (H200 / B200 at batch 1)
+    n = _pow2_floor(width / 2, 4, 64)
+    pool = 4 if width >= 2 * n + 64 else (2 if width >= 2 * n + 16 else 0)
+    # lookahead: W columns and G guesses of N - 1 tokens each; LADE's 7B A100 setting (15, 5, 15) is the cap
+    ngram = 5 if width >= 64 else 4
+    window = max(1, min(15, int(width // (2 * (ngram - 1)))))
+    return {
+        "jacobi": {"block_size": _pow2_floor(width, 4, 64)},
+        "jacobi_forcing": {"block_size": n, "num_blocks": 2, "activation_ratio": 0.85, "pool_size": pool,
+                           "context_matches": 0, "context_tokens": 10},
+        "lookahead": {"window_size": window, "ngram_size": ngram, "guess_set_size": window},
+        "prompt_lookup": {"tree_budget": _pow2_floor(width, 8, 64), "max_matches": 4, "num_tokens": 10},
+        "speculative": {"tree_budget": _pow2_floor(width, 16, 256)},
+    }
+
+
+def _cpu_preset() -> dict[str, dict]:
+    from .decoding.jacobi_forcing import CPU_DEFAULTS
+
+    return {
+        "jacobi": {"block_size": 16},
+        "jacobi_forcing": dict(CPU_DEFAULTS),
+        "lookahead": {"window_size": 5, "ngram_size": 4, "guess_set_size": 5, "context_matches": 2},
+        "prompt_lookup": {"tree_budget": 32, "max_matches": 4, "num_tokens": 10},
+        "speculative": {"tree_budget": 16},
+    }
+
+
+def _capability(device_or_capability) -> tuple[int, int] | None:
+    """``(major, minor)`` for a CUDA device or a capability tuple; ``None`` for the CPU."""
+    if isinstance(device_or_capability, str):
+        try:
+            device_or_capability = torch.device(device_or_capability)
+        except RuntimeError as err:
+            raise ValueError(f"hardware_preset: {device_or_capability!r} is not a device ('cpu', 'cuda', 'cuda:1'), "
+                             "nor a compute capability tuple such as (9, 0).") from err
+    if isinstance(device_or_capability, torch.device):
+        if device_or_capability.type == "cpu":
+            return None
+        if device_or_capability.type != "cuda":
+            raise ValueError(f"No preset for device type {device_or_capability.type!r}: use a CUDA device or 'cpu'.")
+        return tuple(torch.cuda.get_device_capability(device_or_capability))
+    if (isinstance(device_or_capability, tuple) and len(device_or_capability) == 2
+            and all(isinstance(v, int) and not isinstance(v, bool) for v in device_or_capability)):
+        return device_or_capability
+    raise ValueError(
+        f"hardware_preset takes a torch.device, 'cpu' / 'cuda[:i]', or a compute capability tuple such as (9, 0); "
+        f"got {device_or_capability!r}."
+    )
+
+
+def preset_name(device_or_capability) -> str:
+    """``"cpu"`` or ``"sm90"``-style name of the preset :func:`hardware_preset` picks."""
+    cc = _capability(device_or_capability)
+    return "cpu" if cc is None else f"sm{cc[0]}{cc[1]}"
+
+
+def hardware_preset(device_or_capability, batch_size: int = 1, params: float = 7.6e9,
+                    kv_bytes_per_token: float = 57344.0, context: int = 2048) -> dict[str, dict]:
+    """Per-strategy settings for a device (``torch.device``, ``"cpu"`` / ``"cuda"``, or a capability tuple).
+
+    GPUs: the knee ``n*`` of the part (:func:`knee_tokens`, for the given model size, context and
+    batch) divided by ``batch_size`` is each row's width, which sets every strategy's sizes (see
+    ``docs/hardware.md``). A capability between listed ones takes the closest lower listed
+    architecture (``(8, 7)`` -> sm86). CPU: the settings measured on this project's CPU runs.
+    """
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}.")
+    cc = _capability(device_or_capability)
+    if cc is None:
+        return _cpu_preset()
+    known = [c for c in sorted(GPU_SPECS) if c <= cc]
+    if not known:
+        raise ValueError(f"No preset for compute capability {cc}: the oldest supported is sm80 (Ampere).")
+    spec = GPU_SPECS[known[-1]]
+    width = knee_tokens(spec, params, kv_bytes_per_token, context, batch_size) / batch_size
+    return _settings_for_width(width)
