@@ -16,6 +16,7 @@ import json
 import logging
 import platform
 import sys
+from pathlib import Path
 
 
 def _env(_args) -> int:
@@ -149,12 +150,7 @@ def _sweep(args) -> int:
 
     from .bench import format_report, grid_strategies, parse_strategy, plot_sweep, run_benchmark
 
-    grid = {}
-    for item in args.grid:
-        key, eq, values = item.partition("=")
-        if not eq or not values:
-            raise ValueError(f"Bad --grid item {item!r}: write key=v1,v2,...")
-        grid[key] = [parse_strategy(f"{args.decoding}:{key}={v}").settings[key] for v in values.split(",")]
+    grid = _parse_grid(args.decoding, args.grid)
     fixed = parse_strategy(f"{args.decoding}:{args.fixed}") if args.fixed else None
     specs = grid_strategies(args.decoding, grid)
     if fixed is not None:
@@ -175,6 +171,52 @@ def _sweep(args) -> int:
                                                           "fixed": fixed.settings if fixed else {}}, indent=2))
         files.append(str(out / "sweep_grid.json"))
         print("\nwrote " + ", ".join(files))
+    return 0
+
+
+def _parse_grid(decoding: str, items: list[str]) -> dict:
+    from .bench import parse_strategy
+
+    grid = {}
+    for item in items:
+        key, eq, values = item.partition("=")
+        if not eq or not values:
+            raise ValueError(f"Bad --grid item {item!r}: write key=v1,v2,...")
+        grid[key] = [parse_strategy(f"{decoding}:{key}={v}").settings[key] for v in values.split(",")]
+    return grid
+
+
+def _tune(args) -> int:
+    from .tune import tune
+
+    grid = _parse_grid(args.decoding, args.grid)
+    prompts = _prompts(args, 8)  # bad input fails before the model loads
+    save_to = None
+    if args.save:
+        save_to = args.save_to or args.model
+        if not Path(save_to).is_dir():
+            raise ValueError(f"--save writes next to a local model folder; {save_to!r} is not one. Pass --save-to DIR.")
+    model, tokenizer, name = _load(args)
+    report = tune(model, tokenizer, prompts, args.decoding, grid, max_new_tokens=args.max_new_tokens,
+                  batch_size=args.batch_size, repeats=args.repeats, latency_budget_ms=args.latency_budget_ms,
+                  output_dir=args.output_dir, save_to=save_to, model_name=name)
+    roof = report["roofline"]
+    print(f"forward time vs tokens per forward (context {report['context']}):")
+    for n, sec in zip(roof["tokens"], roof["seconds"]):
+        print(f"  {n:>5} tokens  {1e3 * sec:8.2f} ms")
+    print(f"knee: {roof['knee_tokens']} tokens per forward (<= {roof['knee_factor']}x a one-token forward)")
+    print(f"\n{args.decoding} grid (AR: {report['ar_tokens_per_second']:.1f} tokens/s):")
+    for r in sorted(report["results"], key=lambda r: -r["tokens_per_second"]):
+        flag = "" if r["exact"] else "  (not exact)"
+        print(f"  {r['settings']}  TPF {r['tpf']:.2f}  {r['tokens_per_second']:.1f} tok/s  {r['step_ms']:.1f} ms/step{flag}")
+    if report["choice"] is None:
+        print("\nno grid point is exact and within the latency budget")
+        return 1
+    print(f"\nbest: {args.decoding} {report['choice']['settings']}")
+    if not report["choice"]["faster_than_ar"]:
+        print("(slower than stock generate on this device: no grid point beats AR here)")
+    if report["files"]:
+        print("wrote " + ", ".join(report["files"]))
     return 0
 
 
@@ -352,6 +394,20 @@ def main(argv=None) -> int:
     p_sweep.add_argument("--repeats", type=int, default=1)
     p_sweep.add_argument("--output-dir", default="sweep_out")
     p_sweep.set_defaults(func=_sweep)
+
+    p_tune = sub.add_parser("tune", help="measure this device's roofline knee and pick a strategy's fastest settings")
+    _add_model_args(p_tune)
+    p_tune.add_argument("--decoding", default="jacobi_forcing")
+    p_tune.add_argument("--grid", nargs="+", default=["block_size=4,8,16", "pool_size=0,4"],
+                        help="key=v1,v2,... per setting (two settings also draw sweep.png)")
+    p_tune.add_argument("--repeats", type=int, default=1)
+    p_tune.add_argument("--latency-budget-ms", type=float, default=None,
+                        help="only settings whose time per step (ms) fits this budget")
+    p_tune.add_argument("--save", action="store_true",
+                        help="write the choice as parallel_decoding_config.json next to the model (a local folder)")
+    p_tune.add_argument("--save-to", default=None, help="folder for --save (default: the --model folder)")
+    p_tune.add_argument("--output-dir", default="tune_out")
+    p_tune.set_defaults(func=_tune, max_new_tokens=64)
 
     p_collect = sub.add_parser("collect", help="Jacobi trajectories of a model on prompts (resumable parquet shards)")
     _add_data_args(p_collect)

@@ -166,3 +166,16 @@ def test_cli_bench_at_several_batch_sizes_writes_one_report_each_and_the_batch_c
     with pytest.raises(SystemExit) as exc:
         cli.main(["bench", "--model", "random-tiny", "--prompts", str(prompts), "--batch-sizes", "0"])
     assert exc.value.code == 2 and "batch sizes must be >= 1" in capsys.readouterr().err
+
+
+def test_cli_tune_prints_the_knee_and_the_choice(tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "def f(x):\\n    return"}\n{"prompt": "import os\\n"}\n')
+    code = cli.main(["tune", "--model", "random-tiny", "--prompts", str(prompts), "--max-new-tokens", "6",
+                     "--grid", "block_size=2,4", "--output-dir", str(tmp_path / "o")])
+    out = capsys.readouterr().out
+    assert code == 0 and "knee:" in out and "best: jacobi_forcing" in out
+    assert json.loads((tmp_path / "o" / "tune.json").read_text())["choice"]["decoding"] == "jacobi_forcing"
+    with pytest.raises(SystemExit) as exc:  # --save needs a local model folder
+        cli.main(["tune", "--model", "random-tiny", "--prompts", str(prompts), "--save", "--grid", "block_size=2"])
+    assert exc.value.code == 2 and "--save-to" in capsys.readouterr().err

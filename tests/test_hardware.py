@@ -87,3 +87,29 @@ def test_the_docs_table_is_what_the_code_derives():
         assert cells[6] == " / ".join(jf)
         assert cells[7] == f"{one['speculative']['tree_budget']} / {eight['speculative']['tree_budget']}"
         assert cells[8] == f"{one['lookahead']['window_size']} / {eight['lookahead']['window_size']}"
+
+
+def test_tune_measures_the_curve_picks_the_fastest_exact_point_and_saves_it(tmp_path):
+    from models import tiny_model, word_tokenizer
+
+    from hf_paralleldecode.tune import knee_of, tune
+
+    assert knee_of([(1, 1.0), (2, 1.2), (4, 1.5), (8, 3.0)]) == 4
+    model = hfpd.enable(tiny_model("llama"))
+    prompts = ["t5 t6 t7 t8 t5 t6 t7", "t9 t10 t11 t9 t10"]
+    grid = {"block_size": [2, 4], "pool_size": [0, 2]}
+    report = tune(model, word_tokenizer(), prompts, "jacobi_forcing", grid, max_new_tokens=8, tokens=(1, 2, 4, 8),
+                  output_dir=tmp_path / "out", save_to=tmp_path / "model", progress=False)
+    assert report["roofline"]["tokens"] == [1, 2, 4, 8] and report["roofline"]["knee_tokens"] in (1, 2, 4, 8)
+    assert len(report["results"]) == 4 and all(r["exact"] for r in report["results"])
+    best = max(report["results"], key=lambda r: r["tokens_per_second"])
+    assert report["choice"]["settings"] == best["settings"]
+    saved = hfpd.ParallelDecodingConfig.from_pretrained(tmp_path / "model")
+    assert saved.decoding == "jacobi_forcing" and saved.settings == best["settings"]
+    for name in ("tune.json", "roofline.png", "sweep.png"):
+        assert (tmp_path / "out" / name).stat().st_size > 100
+    tight = tune(model, word_tokenizer(), prompts, "jacobi_forcing", {"block_size": [2]}, max_new_tokens=4,
+                 tokens=(1, 2), latency_budget_ms=1e-6, progress=False)
+    assert tight["choice"] is None  # nothing fits a one-nanosecond step
+    with pytest.raises(ValueError, match="grid"):
+        tune(model, word_tokenizer(), prompts, "jacobi_forcing", {}, progress=False)

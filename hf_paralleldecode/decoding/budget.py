@@ -83,14 +83,14 @@ _COSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {(de
 
 
 @torch.no_grad()
-def forward_cost(model, context: int = 64, repeats: int = 5) -> ForwardCost:
+def forward_cost(model, context: int = 64, repeats: int = 5, tokens=MEASURED_TOKENS) -> ForwardCost:
     """Measure (once per model, device and dtype; cached) ``T(n)`` for ``n`` in :data:`MEASURED_TOKENS`.
 
-    Each point is the median of ``repeats`` forwards of ``n`` tokens after a ``context``-token
-    prefix held in a cache, timed with a device sync on CUDA. Costs a few dozen forwards.
+    Each point is the median of ``repeats`` forwards of ``n`` tokens (``n`` in ``tokens``) after a
+    ``context``-token prefix held in a cache, timed with a device sync on CUDA. Costs a few dozen forwards.
     """
     device = next(model.parameters()).device
-    key = (str(device), str(next(model.parameters()).dtype))
+    key = (str(device), str(next(model.parameters()).dtype), int(context), tuple(tokens))
     known = _COSTS.setdefault(model, {})
     if key in known:
         return ForwardCost(known[key])  # a fresh level per run, the measured shape
@@ -100,7 +100,7 @@ def forward_cost(model, context: int = 64, repeats: int = 5) -> ForwardCost:
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *a: None)
     generator = torch.Generator().manual_seed(0)  # the user's global RNG stays untouched
     points = []
-    for n in MEASURED_TOKENS:
+    for n in tokens:
         times = []
         for _ in range(repeats + 1):  # the first is a warm-up
             cache = DynamicCache()
