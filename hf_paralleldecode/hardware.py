@@ -28,7 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["GpuSpec", "GPU_SPECS", "DEFAULT_MODEL", "knee_tokens", "hardware_preset", "preset_name"]
+__all__ = ["GpuSpec", "GPU_SPECS", "DEFAULT_MODEL", "knee_tokens", "hardware_preset", "preset_name",
+           "device_preset", "preset_settings"]
 
 
 @dataclass(frozen=True)
@@ -92,7 +93,7 @@ def _settings_for_width(width: float) -> dict[str, dict]:
         "jacobi": {"block_size": _pow2_floor(width, 4, 64)},
         "jacobi_forcing": {"block_size": n, "num_blocks": 2, "activation_ratio": 0.85, "pool_size": pool,
                            "context_matches": 0, "context_tokens": 10},
-        "lookahead": {"window_size": window, "ngram_size": ngram, "guess_set_size": window},
+        "lookahead": {"window_size": window, "ngram_size": ngram, "guess_set_size": window, "context_matches": 2},
         "prompt_lookup": {"tree_budget": _pow2_floor(width, 8, 64), "max_matches": 4, "num_tokens": 10},
         "speculative": {"tree_budget": _pow2_floor(width, 16, 256)},
     }
@@ -159,3 +160,25 @@ def hardware_preset(device_or_capability, batch_size: int = 1, params: float = 7
     spec = GPU_SPECS[known[-1]]
     width = knee_tokens(spec, params, kv_bytes_per_token, context, batch_size) / batch_size
     return _settings_for_width(width)
+
+
+def device_preset(device) -> tuple[str, dict[str, dict]]:
+    """``(name, preset)`` a strategy running on ``device`` uses for the settings it is not given.
+
+    Unlike :func:`hardware_preset` it never refuses: a GPU older than sm80 takes the sm80 preset,
+    and a device with no roofline here (``mps``, ``xpu``, ...) takes the CPU one; the name says which.
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        try:
+            return preset_name(device), hardware_preset(device)
+        except ValueError:
+            return "sm80", hardware_preset((8, 0))
+    return "cpu", _cpu_preset()
+
+
+def preset_settings(model, decoding: str, **given) -> tuple[str, dict]:
+    """``given`` with each ``None`` replaced by the model's device preset for ``decoding``; and the preset's name."""
+    name, preset = device_preset(model.device)
+    values = preset.get(decoding, {})
+    return name, {k: (values[k] if v is None and k in values else v) for k, v in given.items()}

@@ -113,3 +113,25 @@ def test_tune_measures_the_curve_picks_the_fastest_exact_point_and_saves_it(tmp_
     assert tight["choice"] is None  # nothing fits a one-nanosecond step
     with pytest.raises(ValueError, match="grid"):
         tune(model, word_tokenizer(), prompts, "jacobi_forcing", {}, progress=False)
+
+
+def test_device_preset_never_refuses_a_device_a_strategy_runs_on(monkeypatch):
+    from hf_paralleldecode.hardware import device_preset
+
+    assert device_preset(torch.device("mps"))[0] == "cpu"  # no roofline here: the CPU preset
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))  # a T4
+    name, preset = device_preset(torch.device("cuda"))
+    assert name == "sm80" and preset == hfpd.hardware_preset((8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert device_preset(torch.device("cuda")) == ("sm90", hfpd.hardware_preset((9, 0)))
+
+
+@pytest.mark.parametrize("decoding", ["jacobi", "lookahead", "prompt_lookup", "jacobi_forcing"])
+def test_strategies_fill_unset_settings_from_the_device_preset_and_record_it(decoding):
+    model = enabled("llama")
+    ids, mask = prompts(2)
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, decoding=decoding,
+                         return_dict_in_generate=True)
+    assert out.stats["hardware_preset"] == "cpu"
+    preset = hfpd.hardware_preset("cpu")[decoding]
+    assert {k: out.stats[k] for k in preset} == preset  # every preset setting, as resolved

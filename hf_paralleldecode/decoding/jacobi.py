@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import torch
 
+from ..hardware import preset_settings
 from .base import Proposer, check_int_setting, checks_settings, decode
 from .tree import chain_tree
 
@@ -42,7 +43,8 @@ JACOBI_INITS = ("random_context", "repeat")
 
 
 def _check_jacobi_settings(block_size, jacobi_init, jacobi_seed):
-    check_int_setting("block_size", block_size, 1)
+    if block_size is not None:  # None: the device preset (hardware_preset)
+        check_int_setting("block_size", block_size, 1)
     if jacobi_init not in JACOBI_INITS:
         raise ValueError(f"`jacobi_init` must be one of {JACOBI_INITS}, got {jacobi_init!r}.")
     check_int_setting("jacobi_seed", jacobi_seed, 0)
@@ -111,7 +113,7 @@ def jacobi(
     generation_config,
     synced_gpus: bool = False,
     streamer=None,
-    block_size: int = 16,
+    block_size: int | None = None,
     jacobi_init: str = "random_context",
     jacobi_seed: int = 0,
     pd_streamer=None,
@@ -124,7 +126,8 @@ def jacobi(
     through :func:`hf_paralleldecode.enable`.
 
     Args:
-        block_size: n, the number of tokens iterated in parallel (1 = ordinary greedy decoding).
+        block_size: n, the number of tokens iterated in parallel (1 = ordinary greedy decoding; default:
+            the device preset, 16 on CPU, see :func:`hf_paralleldecode.hardware_preset`).
         jacobi_init: how the guesses of a new block are initialised, ``"random_context"`` or
             ``"repeat"`` (see the module docstring). Changes speed only, never the output.
         jacobi_seed: seed of the generator used by ``"random_context"``.
@@ -133,8 +136,10 @@ def jacobi(
             does not hand ``streamer`` to ``custom_generate`` callables (it would only see the prompt).
     """
     _check_jacobi_settings(block_size, jacobi_init, jacobi_seed)
+    preset, resolved = preset_settings(model, "jacobi", block_size=block_size)
+    block_size = resolved["block_size"]
     return decode(
         model, "jacobi", lambda run: JacobiProposer(run, block_size, jacobi_init, jacobi_seed), input_ids,
         logits_processor, stopping_criteria, generation_config, streamer, model_kwargs,
-        dict(block_size=block_size), pd_streamer=pd_streamer,
+        dict(block_size=block_size, hardware_preset=preset), pd_streamer=pd_streamer,
     )

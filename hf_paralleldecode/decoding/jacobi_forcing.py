@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import torch
 
-from ..hardware import preset_name
+from ..hardware import preset_name, preset_settings
 from .base import Proposer, check_int_setting, checks_settings, decode
 from .budget import CostAwareBudget
 from .ngram_pool import NgramPool
@@ -81,10 +81,7 @@ def _resolve_settings(model, **given) -> dict:
     The preset is :func:`hf_paralleldecode.hardware_preset` for the model's device (``CPU_DEFAULTS`` on
     a CPU; on CUDA the part's roofline preset, which on Hopper / Blackwell is the paper's ``GPU_DEFAULTS``).
     """
-    from ..hardware import hardware_preset
-
-    preset = hardware_preset(model.device)["jacobi_forcing"]
-    out = {k: (preset[k] if v is None and k in preset else v) for k, v in given.items()}
+    _, out = preset_settings(model, "jacobi_forcing", **given)
     if out["ngram_size"] is None:
         out["ngram_size"] = max(out["block_size"], 2)
     _check_settings(**out)

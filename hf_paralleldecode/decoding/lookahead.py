@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import torch
 
+from ..hardware import preset_settings
 from .base import Proposer, check_int_setting, checks_settings, decode
 from .budget import CostAwareBudget
 from .ngram_pool import NgramPool
@@ -48,10 +49,13 @@ __all__ = ["lookahead"]
 
 def _check_settings(window_size, ngram_size, guess_set_size, pool_from_prompt, lookahead_seed, context_matches,
                     context_tokens, context_ngram_size, tree_budget, cost_aware):
-    check_context_settings(context_matches, context_tokens, context_ngram_size, tree_budget, cost_aware)
-    check_int_setting("window_size", window_size, 1)
-    check_int_setting("ngram_size", ngram_size, 2)
-    check_int_setting("guess_set_size", guess_set_size, 0)
+    # None: the device preset (hardware_preset), filled in before the run
+    check_context_settings(0 if context_matches is None else context_matches, context_tokens, context_ngram_size,
+                           tree_budget, cost_aware)
+    for name, value, low in (("window_size", window_size, 1), ("ngram_size", ngram_size, 2),
+                             ("guess_set_size", guess_set_size, 0)):
+        if value is not None:
+            check_int_setting(name, value, low)
     check_int_setting("lookahead_seed", lookahead_seed, 0)
     if not isinstance(pool_from_prompt, bool):
         raise ValueError(f"`pool_from_prompt` must be True or False, got {pool_from_prompt!r}.")
@@ -144,12 +148,12 @@ def lookahead(
     generation_config,
     synced_gpus: bool = False,
     streamer=None,
-    window_size: int = 5,
-    ngram_size: int = 4,
-    guess_set_size: int = 5,
+    window_size: int | None = None,
+    ngram_size: int | None = None,
+    guess_set_size: int | None = None,
     pool_from_prompt: bool = True,
     lookahead_seed: int = 0,
-    context_matches: int = 2,
+    context_matches: int | None = None,
     context_tokens: int = 10,
     context_ngram_size: int = 3,
     tree_budget: int | None = None,
@@ -160,7 +164,9 @@ def lookahead(
     """Lossless lookahead decoding (greedy or sampled); a ``custom_generate`` callable.
 
     Args:
-        window_size: W, columns of the lookahead window (n-grams produced per step).
+        window_size: W, columns of the lookahead window (n-grams produced per step). This and every
+            setting defaulting to ``None`` come from the device preset
+            (:func:`hf_paralleldecode.hardware_preset`; CPU: W=5, N=4, G=5, 2 context matches).
         ngram_size: N, length of the n-grams (the window has N - 1 levels); >= 2.
         guess_set_size: G, n-grams verified per step and kept per first token (0 = no verification
             branch: the window's level 0 is still verified, as a Jacobi guess).
@@ -168,7 +174,7 @@ def lookahead(
         lookahead_seed: seed of the generator that refills window columns from the context.
         context_matches: continuations of the row's suffix found in its prompt and output (context
             n-grams, as ``decoding="prompt_lookup"``) added to the tree each step; 0 = none
-            (default 2: measured faster on both embedded models and both prompt sets).
+            (CPU preset 2: measured faster on both embedded models and both prompt sets).
         context_tokens: tokens of each context continuation.
         context_ngram_size: longest suffix looked up in the context.
         tree_budget: drafted nodes per step at most (``None``: no cap); window columns come first.
@@ -178,6 +184,10 @@ def lookahead(
     """
     _check_settings(window_size, ngram_size, guess_set_size, pool_from_prompt, lookahead_seed, context_matches,
                     context_tokens, context_ngram_size, tree_budget, cost_aware)
+    preset, s = preset_settings(model, "lookahead", window_size=window_size, ngram_size=ngram_size,
+                                guess_set_size=guess_set_size, context_matches=context_matches)
+    window_size, ngram_size, guess_set_size, context_matches = (
+        s["window_size"], s["ngram_size"], s["guess_set_size"], s["context_matches"])
     return decode(
         model, "lookahead",
         lambda run: LookaheadProposer(run, window_size, ngram_size, guess_set_size, pool_from_prompt, lookahead_seed,
@@ -185,6 +195,6 @@ def lookahead(
         input_ids, logits_processor, stopping_criteria, generation_config, streamer, model_kwargs,
         dict(window_size=window_size, ngram_size=ngram_size, guess_set_size=guess_set_size,
              context_matches=context_matches, context_tokens=context_tokens, context_ngram_size=context_ngram_size,
-             tree_budget=tree_budget, cost_aware=cost_aware),
+             tree_budget=tree_budget, cost_aware=cost_aware, hardware_preset=preset),
         pd_streamer=pd_streamer,
     )

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from ..hardware import preset_settings
 from .base import Proposer, check_bool_setting, check_int_setting, checks_settings, decode
 from .budget import CostAwareBudget
 from .tree import pack_trees
@@ -29,10 +30,10 @@ __all__ = ["prompt_lookup", "context_candidates", "ContextNgrams", "check_contex
 
 
 def _check_settings(num_tokens, max_ngram_size, max_matches, tree_budget, cost_aware):
-    check_int_setting("num_tokens", num_tokens, 1)
-    check_int_setting("max_ngram_size", max_ngram_size, 1)
-    check_int_setting("max_matches", max_matches, 1)
-    check_int_setting("tree_budget", tree_budget, 1)
+    for name, value in (("num_tokens", num_tokens), ("max_ngram_size", max_ngram_size), ("max_matches", max_matches),
+                        ("tree_budget", tree_budget)):
+        if value is not None:  # None: the device preset (hardware_preset), filled in before the run
+            check_int_setting(name, value, 1)
     check_bool_setting("cost_aware", cost_aware)
 
 
@@ -135,10 +136,10 @@ def prompt_lookup(
     generation_config,
     synced_gpus: bool = False,
     streamer=None,
-    num_tokens: int = 10,
+    num_tokens: int | None = None,
     max_ngram_size: int = 3,
-    max_matches: int = 4,
-    tree_budget: int = 32,
+    max_matches: int | None = None,
+    tree_budget: int | None = None,
     cost_aware: bool = False,
     pd_streamer=None,
     **model_kwargs,
@@ -146,7 +147,9 @@ def prompt_lookup(
     """Lossless context n-gram (prompt lookup) decoding, greedy or sampled, batched; a ``custom_generate`` callable.
 
     Args:
-        num_tokens: tokens drafted after each match (transformers' ``prompt_lookup_num_tokens``).
+        num_tokens: tokens drafted after each match (transformers' ``prompt_lookup_num_tokens``). This,
+            ``max_matches`` and ``tree_budget`` default to the device preset
+            (:func:`hf_paralleldecode.hardware_preset`; CPU: 10, 4, 32).
         max_ngram_size: longest suffix looked up; shorter ones down to 1 are tried too.
         max_matches: distinct continuations merged into the tree per step.
         tree_budget: drafted nodes per step at most (the verification forward feeds at most
@@ -156,11 +159,14 @@ def prompt_lookup(
         pd_streamer (BaseStreamer | None): see :func:`hf_paralleldecode.jacobi`.
     """
     _check_settings(num_tokens, max_ngram_size, max_matches, tree_budget, cost_aware)
+    preset, s = preset_settings(model, "prompt_lookup", num_tokens=num_tokens, max_matches=max_matches,
+                                tree_budget=tree_budget)
+    num_tokens, max_matches, tree_budget = s["num_tokens"], s["max_matches"], s["tree_budget"]
     return decode(
         model, "prompt_lookup",
         lambda run: ContextNgramProposer(run, num_tokens, max_ngram_size, max_matches, tree_budget, cost_aware),
         input_ids, logits_processor, stopping_criteria, generation_config, streamer, model_kwargs,
         dict(num_tokens=num_tokens, max_ngram_size=max_ngram_size, max_matches=max_matches, tree_budget=tree_budget,
-             cost_aware=cost_aware),
+             cost_aware=cost_aware, hardware_preset=preset),
         pd_streamer=pd_streamer,
     )

@@ -37,6 +37,7 @@ import time
 import torch
 from transformers.cache_utils import DynamicCache
 
+from ..hardware import preset_settings
 from .base import Proposer, check_int_setting, checks_settings, decode
 from .cache import SlotCache, additive_mask
 from .draft_tree import TreeBuilder
@@ -51,7 +52,8 @@ __all__ = ["speculative"]
 def _check_tree(tree_budget, tree_width, tree_depth, tree_waves, context_matches=0, context_tokens=10,
                 context_ngram_size=3):
     check_context_settings(context_matches, context_tokens, context_ngram_size, None, False)
-    check_int_setting("tree_budget", tree_budget, 1)
+    if tree_budget is not None:  # None: the device preset (hardware_preset), filled in before the run
+        check_int_setting("tree_budget", tree_budget, 1)
     check_int_setting("tree_width", tree_width, 1)
     if tree_depth is not None:
         check_int_setting("tree_depth", tree_depth, 1)
@@ -371,7 +373,7 @@ def speculative(
     synced_gpus: bool = False,
     streamer=None,
     drafter=None,
-    tree_budget: int = 64,
+    tree_budget: int | None = None,
     tree_width: int = 8,
     tree_depth: int | None = None,
     tree_waves: int | None = None,
@@ -390,7 +392,9 @@ def speculative(
         drafter (DraftHead | str | None): a :class:`hf_paralleldecode.DraftHead` built for this model, or the folder / Hub repo id
             of one, or a shipped head's alias (``"default-jetspec"``, ``"default-dflash"``). It is moved
             to the model's device and dtype and bound to the model.
-        tree_budget: B, drafted nodes per step (the verification forward feeds B + 1 tokens).
+        tree_budget: B, drafted nodes per step (the verification forward feeds B + 1 tokens); default:
+            the device preset (:func:`hf_paralleldecode.hardware_preset`): 16 on CPU, where the shipped
+            heads were fastest at B=16 (docs/methods/speculative.md), 128 to 256 on GPUs at batch 1.
         tree_width: W, children per node (1 = a chain).
         tree_depth: N, levels below the root (default: the head's ``block_size``).
         tree_waves: ``tree_causal`` heads only: head forwards per step at most (default: ``tree_depth``).
@@ -408,6 +412,8 @@ def speculative(
         pd_streamer (BaseStreamer | None): see :func:`hf_paralleldecode.jacobi`.
     """
     check_context_settings(context_matches, context_tokens, context_ngram_size, None, False)
+    preset, resolved = preset_settings(model, "speculative", tree_budget=tree_budget)
+    tree_budget = resolved["tree_budget"]
     drafter, depth = _check_settings(model, drafter, tree_budget, tree_width, tree_depth, tree_waves)
     if drafter.device != model.device or drafter.dtype != model.dtype:
         drafter.to(device=model.device, dtype=model.dtype)
@@ -421,6 +427,7 @@ def speculative(
             input_ids, logits_processor, stopping_criteria, generation_config, streamer, model_kwargs,
             dict(tree_budget=tree_budget, tree_width=tree_width, tree_depth=depth, head=drafter.config.attention,
                  context_matches=context_matches, context_tokens=context_tokens, context_ngram_size=context_ngram_size,
+                 hardware_preset=preset,
                  **({"tree_waves": waves} if drafter.config.attention == "tree_causal" else {})),
             pd_streamer=pd_streamer,
         )
