@@ -38,3 +38,18 @@ def test_half_precision_runs_on_cpu_and_stays_close_to_stock(arch, decoding, dty
     # the first generated token comes from the same prefill forward: always equal
     assert torch.equal(out.sequences[:, ids.shape[1]], ref[:, ids.shape[1]])
     assert out.tokens_per_forward >= 1.0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("decoding", ["jacobi", "lookahead", "prompt_lookup"])
+def test_greedy_argmax_in_the_model_dtype_picks_what_the_fp32_copy_picks(decoding, dtype):
+    # greedy without processors or returned scores skips the fp32 copy of the logits; asking for scores
+    # forces it: the tokens must not change (widening bf16 / fp16 to fp32 is exact)
+    model = _half("llama", dtype)
+    ids, mask = prompts(3)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=16, do_sample=False, decoding=decoding,
+                  return_dict_in_generate=True)
+    plain = model.generate(**kwargs)
+    widened = model.generate(**kwargs, output_scores=True)
+    assert widened.scores[1].dtype == torch.float32
+    assert torch.equal(plain.sequences, widened.sequences)

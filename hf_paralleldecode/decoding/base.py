@@ -162,7 +162,10 @@ class DecodeRun:
         The rule (greedy / sample-then-match / rejection sampling with ``tree.q``) is
         :func:`~.verify.verify_tree`'s. Returns its :class:`~.verify.Verdict`.
         """
-        logits = self.target.forward(tree, self.slots, self.next_positions(), self.rows)
+        # greedy with nothing that reads the values (processors, output scores / logits): argmax in the model's dtype
+        fp32 = bool(self.generation_config.do_sample or self.logits_processor or self.log.scores is not None
+                    or self.log.logits is not None or tree.q is not None)
+        logits = self.target.forward(tree, self.slots, self.next_positions(), self.rows, fp32=fp32)
         scores = self.process(logits, tree)
         verdict = verify_tree(tree, scores, bool(self.generation_config.do_sample), tree.q)
         self.commit(verdict, scores, logits)

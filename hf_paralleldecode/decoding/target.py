@@ -129,8 +129,11 @@ class TargetForward:
         )
         return logits[:, -1].float().to(input_ids.device)
 
-    def forward(self, tree, slots, first_positions: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """One forward of ``tree`` after each row's committed slots; fp32 logits ``[active, nodes, vocab]``.
+    def forward(self, tree, slots, first_positions: torch.Tensor, rows: torch.Tensor | None = None,
+                fp32: bool = True) -> torch.Tensor:
+        """One forward of ``tree`` after each row's committed slots; logits ``[active, nodes, vocab]``, in fp32
+        unless ``fp32=False`` (the model's dtype: a greedy argmax without processors picks the same token,
+        since widening bf16 / fp16 to fp32 is exact, and skips a copy of every logit).
 
         Node ``j`` of a row sits at position ``first_positions[row] + depth[row, j]`` and attends
         to the row's committed slots plus its ancestors-or-self (``tree.mask``).
@@ -142,4 +145,4 @@ class TargetForward:
             attention_mask=slots.attention_mask(tree.mask).to(device), past_key_values=slots.cache,
             **({} if rows is None else {k: v.to(device) for k, v in self.step_inputs(rows, tree.tokens.shape).items()}),
         )
-        return logits.float().to(tree.tokens.device)
+        return (logits.float() if fp32 else logits).to(tree.tokens.device)
