@@ -426,8 +426,12 @@ def _pyplot(chart: str):
 
 def _save(plt, fig, path) -> bool:
     """Lay out, write and close a chart; True (it was written)."""
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    import warnings
+
+    with warnings.catch_warnings():  # long labels can leave no room for a tighter layout: keep the default one
+        warnings.simplefilter("ignore", UserWarning)
+        fig.tight_layout()
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return True
 
