@@ -263,9 +263,10 @@ def _one_run(model, enc, spec: StrategySpec | None, max_new_tokens: int, timer: 
 
             params = inspect.signature(get_decoding(kwargs["decoding"])).parameters
             resolved = {k: v for k, v in out.stats.items() if k in params and isinstance(v, (bool, int, float, str))}
-            out = out.sequences
+            stats, out = out.stats, out.sequences
         gen = out[:, prompt_len:]
-        row_forwards = gen.shape[0] * timer.count
+        # a row finished early leaves our strategies' forwards; stock greedy keeps computing every row
+        row_forwards = stats["row_forwards"] if ours else gen.shape[0] * timer.count
     sync()
     t1 = time.perf_counter()
     tokens = _count_generated(gen, pad, eos)

@@ -35,7 +35,7 @@ def test_benchmark_reports_every_figure_and_writes_json_and_png(tmp_path, batch_
     assert {"ar", "jacobi(block_size=4)", "jacobi(block_size=16)"} <= set(report["results"])
     for r in report["results"].values():
         assert r["exact_match_vs_ar"] == 1.0
-        assert r["tpf"] >= 0.99 or batch_size > 1
+        assert r["tpf"] >= 0.99 or r["decoding"] == "ar"  # a row commits >= 1 token per forward it is in
         assert 0 <= r["loop_overhead"] < 1
         assert r["host_ms_per_step"] > 0
         assert r["tokens_per_second"] > 0 and r["decode_tokens_per_second"] > 0

@@ -241,6 +241,7 @@ class DecodeRun:
         forwards = int(self.log.forwards_per_row.sum())
         stats = dict(self.stats)
         stats.update(
+            row_forwards=forwards,  # forwards summed over the rows that took part in them
             cache_compactions=self.slots.num_compactions,
             model_seconds=self.target.seconds,
             wall_seconds=time.perf_counter() - wall_start,
