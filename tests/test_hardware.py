@@ -135,3 +135,13 @@ def test_strategies_fill_unset_settings_from_the_device_preset_and_record_it(dec
     assert out.stats["hardware_preset"] == "cpu"
     preset = hfpd.hardware_preset("cpu")[decoding]
     assert {k: out.stats[k] for k in preset} == preset  # every preset setting, as resolved
+
+
+def test_a_strategy_on_a_device_without_a_roofline_names_the_cpu_preset():
+    from types import SimpleNamespace
+
+    from hf_paralleldecode.hardware import preset_settings
+
+    name, settings = preset_settings(SimpleNamespace(device=torch.device("mps")), "jacobi_forcing", block_size=None,
+                                     pool_size=2)
+    assert name == "cpu" and settings == {"block_size": CPU_DEFAULTS["block_size"], "pool_size": 2}

@@ -166,7 +166,10 @@ class SlotCache:
         self.cache.batch_select_indices(rows)
         self.valid = self.valid[rows]
 
-    def _holes_worth_compacting(self, longest: int) -> bool:
+    def _holes_worth_compacting(self, longest: int | None = None) -> bool:
+        """``longest``: the longest row's valid slots, when the caller has read it already."""
+        if longest is None:
+            longest = int(self.num_valid.max()) if self.valid.shape[0] else 0
         return self.num_slots - longest > max(self.compact_min_holes, self.compact_ratio * longest)
 
     def compact(self) -> None:

@@ -37,14 +37,10 @@ from __future__ import annotations
 
 import torch
 
-from ..hardware import preset_name, preset_settings
-from .base import Proposer, check_int_setting, checks_settings, decode
-from .budget import CostAwareBudget
+from ..hardware import preset_settings
+from .base import check_int_setting, checks_settings, decode
 from .ngram_pool import NgramPool
-from .prompt_lookup import ContextNgrams, check_context_settings
-from .tree import pack_trees
-
-CHAIN, POOL = 0, 1  # proposer ids of the candidates (ContextNgrams.SOURCE is the third)
+from .prompt_lookup import CONTEXT, GUESSES, POOL, ComposedTreeProposer, check_context_settings
 
 __all__ = ["jacobi_forcing", "GPU_DEFAULTS", "CPU_DEFAULTS"]
 
@@ -62,8 +58,7 @@ CPU_DEFAULTS = dict(block_size=4, num_blocks=2, activation_ratio=0.85, pool_size
 def _check_settings(block_size, num_blocks, activation_ratio, pool_size, ngram_size, jacobi_seed, context_matches=None,
                     context_tokens=None, context_ngram_size=3, tree_budget=None, cost_aware=False):
     """Values as given; ``None`` means "the device preset" and is filled in by :func:`_resolve_settings`."""
-    check_context_settings(0 if context_matches is None else context_matches,
-                           10 if context_tokens is None else context_tokens, context_ngram_size, tree_budget, cost_aware)
+    check_context_settings(context_matches, context_tokens, context_ngram_size, tree_budget, cost_aware)
     for name, value, low in (("block_size", block_size, 1), ("num_blocks", num_blocks, 1), ("pool_size", pool_size, 0),
                              ("ngram_size", ngram_size, 2), ("jacobi_seed", jacobi_seed, 0)):
         if value is not None:
@@ -75,21 +70,21 @@ def _check_settings(block_size, num_blocks, activation_ratio, pool_size, ngram_s
             raise ValueError(f"`activation_ratio` must be in (0, 1], got {activation_ratio}.")
 
 
-def _resolve_settings(model, **given) -> dict:
-    """The settings with every ``None`` replaced by the device preset (``ngram_size``: ``max(block_size, 2)``).
+def _resolve_settings(model, **given) -> tuple[str, dict]:
+    """The preset's name and the settings with every ``None`` replaced by it (``ngram_size``: ``max(block_size, 2)``).
 
     The preset is :func:`hf_paralleldecode.hardware_preset` for the model's device (``CPU_DEFAULTS`` on
     a CPU; on CUDA the part's roofline preset, which on Hopper / Blackwell is the paper's ``GPU_DEFAULTS``).
     """
-    _, out = preset_settings(model, "jacobi_forcing", **given)
+    preset, out = preset_settings(model, "jacobi_forcing", **given)
     if out["ngram_size"] is None:
         out["ngram_size"] = max(out["block_size"], 2)
     _check_settings(**out)
     out["activation_ratio"] = float(out["activation_ratio"])
-    return out
+    return preset, out
 
 
-class MultiblockProposer(Proposer):
+class MultiblockProposer(ComposedTreeProposer):
     """Per original row: the chain of guesses (``chain[0]`` = root) and the end of each block.
 
     Positions are indices into the row's generated tokens; the root sits at ``count - 1``. Block
@@ -99,11 +94,8 @@ class MultiblockProposer(Proposer):
     def __init__(self, run, n, num_blocks, ratio, pool_size, ngram_size, seed, context_matches=0, context_tokens=10,
                  context_ngram_size=3, tree_budget=None, cost_aware=False):
         self.run, self.n, self.K, self.r = run, n, num_blocks, ratio
-        self.context = (ContextNgrams(run, context_tokens, context_ngram_size, context_matches)
-                        if context_matches else None)
-        self.max_nodes = None if tree_budget is None else tree_budget + 1
-        self.cost_budget = (CostAwareBudget(run.model, num_sources=3, mandatory_sources=(CHAIN,), device=run.rows.device)
-                       if cost_aware else None)
+        self.compose(run, context_matches, context_tokens, context_ngram_size, tree_budget, cost_aware,
+                     mandatory=(GUESSES,))  # the chain: its Jacobi update reads those nodes
         self.pool_size, self.ngram = pool_size, ngram_size
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
         batch = run.prompt.shape[0]
@@ -121,7 +113,7 @@ class MultiblockProposer(Proposer):
 
     @property
     def stats(self) -> dict:
-        return self._stats if self.context is None else {**self._stats, **self.context.stats}
+        return self.with_context_stats(self._stats)
 
     def _limit(self, r: int) -> int:
         return int(self.run.log.max_new_tokens)
@@ -136,19 +128,18 @@ class MultiblockProposer(Proposer):
 
     def propose(self):
         """The chain first (its nodes are read back in ``update``), then context matches and recycled n-grams."""
-        context = self.context.candidates() if self.context is not None else None
-        roots, cands, sources = [], [], []
         counts = self.run.log.count[self.run.rows].tolist()
+        context = self.context_candidates(counts)
+        roots, cands, sources = [], [], []
         for i, r in enumerate(self.run.rows.tolist()):
             chain = self.chain[r]
-            found = context[i] if context is not None else []
+            found = context[i]
             guesses = [list(g) for g in self.pool.get(r, chain[0], self.pool_size)] if self.pool_size else []
             room = self._limit(r) - counts[i]  # a depth-d path commits d + 1 tokens
             roots.append(chain[0])
             cands.append([c[:room] for c in [chain[1:]] + found + guesses])
-            sources.append([CHAIN] + [ContextNgrams.SOURCE] * len(found) + [POOL] * len(guesses))
-        return pack_trees(torch.tensor(roots, device=self.run.rows.device), cands, max_nodes=self.max_nodes,
-                          sources=sources, budget=self.cost_budget)
+            sources.append([GUESSES] + [CONTEXT] * len(found) + [POOL] * len(guesses))
+        return self.pack(torch.tensor(roots, device=self.run.rows.device), cands, sources)
 
     def update(self, tree, verdict) -> None:
         choices_l, committed = verdict.choices.tolist(), verdict.tokens.tolist()
@@ -237,7 +228,7 @@ def jacobi_forcing(
             expected gain pays for their cost on this device (``hf_paralleldecode.decoding.budget``).
         pd_streamer (BaseStreamer | None): see :func:`hf_paralleldecode.jacobi`.
     """
-    settings = _resolve_settings(
+    preset, settings = _resolve_settings(
         model, block_size=block_size, num_blocks=num_blocks, activation_ratio=activation_ratio, pool_size=pool_size,
         ngram_size=ngram_size, jacobi_seed=jacobi_seed, context_matches=context_matches, context_tokens=context_tokens,
         context_ngram_size=context_ngram_size, tree_budget=tree_budget, cost_aware=cost_aware)
@@ -248,6 +239,6 @@ def jacobi_forcing(
                                        settings["context_matches"], settings["context_tokens"], context_ngram_size,
                                        tree_budget, cost_aware),
         input_ids, logits_processor, stopping_criteria, generation_config, streamer, model_kwargs,
-        {**{k: v for k, v in settings.items() if k != "jacobi_seed"}, "hardware_preset": preset_name(model.device)},
+        {**{k: v for k, v in settings.items() if k != "jacobi_seed"}, "hardware_preset": preset},
         pd_streamer=pd_streamer,
     )

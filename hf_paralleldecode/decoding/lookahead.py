@@ -36,13 +36,9 @@ from __future__ import annotations
 import torch
 
 from ..hardware import preset_settings
-from .base import Proposer, check_int_setting, checks_settings, decode
-from .budget import CostAwareBudget
+from .base import check_int_setting, checks_settings, decode
 from .ngram_pool import NgramPool
-from .prompt_lookup import ContextNgrams, check_context_settings
-from .tree import pack_trees
-
-WINDOW, POOL = 0, 1  # proposer ids of the candidates (ContextNgrams.SOURCE is the third)
+from .prompt_lookup import CONTEXT, GUESSES, POOL, ComposedTreeProposer, check_context_settings
 
 __all__ = ["lookahead"]
 
@@ -50,8 +46,7 @@ __all__ = ["lookahead"]
 def _check_settings(window_size, ngram_size, guess_set_size, pool_from_prompt, lookahead_seed, context_matches,
                     context_tokens, context_ngram_size, tree_budget, cost_aware):
     # None: the device preset (hardware_preset), filled in before the run
-    check_context_settings(0 if context_matches is None else context_matches, context_tokens, context_ngram_size,
-                           tree_budget, cost_aware)
+    check_context_settings(context_matches, context_tokens, context_ngram_size, tree_budget, cost_aware)
     for name, value, low in (("window_size", window_size, 1), ("ngram_size", ngram_size, 2),
                              ("guess_set_size", guess_set_size, 0)):
         if value is not None:
@@ -61,18 +56,15 @@ def _check_settings(window_size, ngram_size, guess_set_size, pool_from_prompt, l
         raise ValueError(f"`pool_from_prompt` must be True or False, got {pool_from_prompt!r}.")
 
 
-class LookaheadProposer(Proposer):
+class LookaheadProposer(ComposedTreeProposer):
     """Windows (per original row) and the shared n-gram pools; builds each step's candidates."""
 
     def __init__(self, run, window: int, ngram: int, guesses: int, pool_from_prompt: bool, seed: int,
                  context_matches: int = 0, context_tokens: int = 10, context_ngram_size: int = 3,
                  tree_budget: int | None = None, cost_aware: bool = False):
         self.run, self.W, self.N, self.G = run, window, ngram, guesses
-        self.context = (ContextNgrams(run, context_tokens, context_ngram_size, context_matches)
-                        if context_matches else None)
-        self.max_nodes = None if tree_budget is None else tree_budget + 1
-        self.cost_budget = (CostAwareBudget(run.model, num_sources=3, mandatory_sources=(WINDOW,), device=run.rows.device)
-                       if cost_aware else None)
+        self.compose(run, context_matches, context_tokens, context_ngram_size, tree_budget, cost_aware,
+                     mandatory=(GUESSES,))  # the window: its update reads those nodes
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
         batch = run.prompt.shape[0]
         self.pool = NgramPool(batch, max_per_key=guesses)
@@ -87,26 +79,25 @@ class LookaheadProposer(Proposer):
 
     @property
     def stats(self) -> dict:
-        stats = {"pool_entries": sum(self.pool.size(r) for r in range(self.run.prompt.shape[0]))}
-        return stats if self.context is None else {**stats, **self.context.stats}
+        return self.with_context_stats({"pool_entries": sum(self.pool.size(r) for r in range(self.run.prompt.shape[0]))})
 
     def propose(self):
         """Window columns first (their nodes are read back in ``update``), then context matches and pool n-grams."""
         log = self.run.log
-        context = self.context.candidates() if self.context is not None else None
+        counts = log.count[self.run.rows].tolist()
+        context = self.context_candidates(counts)
         roots, cands, sources = [], [], []
-        for i, (r, count) in enumerate(zip(self.run.rows.tolist(), log.count[self.run.rows].tolist())):
+        for i, (r, count) in enumerate(zip(self.run.rows.tolist(), counts)):
             root = self.roots[r]
             max_depth = int(log.max_new_tokens) - count  # a depth-d path commits d + 1 tokens
             levels = self.levels[r]
             window = [levels[0][: c + 1] + [lv[c] for lv in levels[1:]] for c in range(self.W)]
-            found = context[i] if context is not None else []
+            found = context[i]
             guesses = [list(g) for g in self.pool.get(r, root, self.G)]
             roots.append(root)
             cands.append([c[:max_depth] for c in window + found + guesses])
-            sources.append([WINDOW] * len(window) + [ContextNgrams.SOURCE] * len(found) + [POOL] * len(guesses))
-        return pack_trees(torch.tensor(roots, device=self.run.rows.device), cands, max_nodes=self.max_nodes,
-                          sources=sources, budget=self.cost_budget)
+            sources.append([GUESSES] * len(window) + [CONTEXT] * len(found) + [POOL] * len(guesses))
+        return self.pack(torch.tensor(roots, device=self.run.rows.device), cands, sources)
 
     def update(self, tree, verdict) -> None:
         """Collect n-grams, move levels up, slide by the committed tokens, refill freed columns.

@@ -24,9 +24,10 @@ import torch
 from ..hardware import preset_settings
 from .base import Proposer, check_bool_setting, check_int_setting, checks_settings, decode
 from .budget import CostAwareBudget
-from .tree import pack_trees
+from .tree import PackedTree, pack_trees
 
-__all__ = ["prompt_lookup", "context_candidates", "ContextNgrams", "check_context_settings"]
+__all__ = ["prompt_lookup", "context_candidates", "ContextNgrams", "ComposedTreeProposer", "check_context_settings",
+           "GUESSES", "POOL", "CONTEXT"]
 
 
 def _check_settings(num_tokens, max_ngram_size, max_matches, tree_budget, cost_aware):
@@ -61,20 +62,25 @@ def context_candidates(context: torch.Tensor, num_tokens: int, max_ngram_size: i
 
 
 def check_context_settings(context_matches, context_tokens, context_ngram_size, tree_budget, cost_aware) -> None:
-    """The settings every strategy that composes context n-grams into its tree shares."""
-    check_int_setting("context_matches", context_matches, 0)
-    check_int_setting("context_tokens", context_tokens, 1)
+    """The settings every strategy that composes context n-grams into its tree shares (``None``: a preset
+    fills it in later)."""
+    if context_matches is not None:
+        check_int_setting("context_matches", context_matches, 0)
+    if context_tokens is not None:
+        check_int_setting("context_tokens", context_tokens, 1)
     check_int_setting("context_ngram_size", context_ngram_size, 1)
     if tree_budget is not None:
         check_int_setting("tree_budget", tree_budget, 1)
     check_bool_setting("cost_aware", cost_aware)
 
 
+#: proposer ids of candidates in budgeted trees: a Jacobi chain / lookahead window, the n-gram pool, context n-grams
+GUESSES, POOL, CONTEXT = 0, 1, 2
+
+
 class ContextNgrams:
     """The context n-gram source any proposer can add to its tree: per active row, continuations of the
     row's suffix found in its prompt and committed tokens (:func:`context_candidates`), best first."""
-
-    SOURCE = 2  # the proposer id of its candidates in budgeted trees (0: Jacobi guesses, 1: n-gram pool)
 
     def __init__(self, run, num_tokens: int, max_ngram_size: int, max_matches: int):
         self.run = run
@@ -82,10 +88,10 @@ class ContextNgrams:
         self.steps = self.matched = 0
         self.prompts = {r: run.packed_prompt[r, : int(run.prompt_lengths[r])].cpu() for r in range(run.prompt.shape[0])}
 
-    def candidates(self) -> list[list[list[int]]]:
-        """Per active row: up to ``max_matches`` continuations (one device-to-host copy per step)."""
+    def candidates(self, counts: list[int]) -> list[list[list[int]]]:
+        """Per active row: up to ``max_matches`` continuations. ``counts``: each active row's committed
+        tokens (the caller's host copy); the tokens themselves take one device-to-host copy."""
         log, rows = self.run.log, self.run.rows
-        counts = log.count[rows].tolist()
         tokens = log.tokens[rows, : max(counts)].cpu()
         out = []
         for i, r in enumerate(rows.tolist()):
@@ -102,26 +108,50 @@ class ContextNgrams:
         return {"context_matched_step_share": self.matched / max(self.steps, 1)}
 
 
-class ContextNgramProposer(Proposer):
+class ComposedTreeProposer(Proposer):
+    """What a proposer needs to compose context n-grams into its tree under one node budget: the
+    context source, the node cap and the cost-aware budget (``lookahead``, ``jacobi_forcing``, ``prompt_lookup``)."""
+
+    context: ContextNgrams | None = None
+    max_nodes: int | None = None
+
+    def compose(self, run, context_matches: int, context_tokens: int, context_ngram_size: int,
+                tree_budget: int | None, cost_aware: bool, mandatory=()) -> None:
+        """Set up the pieces; ``mandatory``: source ids always fed (``GUESSES`` for Jacobi-style updates)."""
+        self.context = (ContextNgrams(run, context_tokens, context_ngram_size, context_matches)
+                        if context_matches else None)
+        self.max_nodes = None if tree_budget is None else tree_budget + 1
+        self.cost_budget = (CostAwareBudget(run.model, num_sources=3, mandatory_sources=mandatory,
+                                            device=run.rows.device) if cost_aware else None)
+
+    def context_candidates(self, counts: list[int]) -> list[list[list[int]]]:
+        """Per active row: the context continuations (none when the source is off)."""
+        return self.context.candidates(counts) if self.context is not None else [[] for _ in counts]
+
+    def pack(self, roots: torch.Tensor, candidates, sources) -> PackedTree:
+        return pack_trees(roots, candidates, max_nodes=self.max_nodes, sources=sources, budget=self.cost_budget)
+
+    def with_context_stats(self, stats: dict) -> dict:
+        return stats if self.context is None else {**stats, **self.context.stats}
+
+
+class ContextNgramProposer(ComposedTreeProposer):
     """Each step: every active row's context suffix matches, merged as a trie (see module docstring)."""
 
     def __init__(self, run, num_tokens: int, max_ngram_size: int, max_matches: int, tree_budget: int, cost_aware: bool):
         self.run = run
-        self.context = ContextNgrams(run, num_tokens, max_ngram_size, max_matches)
-        self.max_nodes = tree_budget + 1
-        self.cost_budget = CostAwareBudget(run.model, num_sources=3, device=run.rows.device) if cost_aware else None
+        self.compose(run, max_matches, num_tokens, max_ngram_size, tree_budget, cost_aware)
 
     @property
     def stats(self) -> dict:
-        return self.context.stats
+        return self.with_context_stats({})
 
     def propose(self):
         rows = self.run.rows
         log = self.run.log
-        roots = log.tokens[rows, log.count[rows] - 1]
-        cands = self.context.candidates()
-        sources = [[ContextNgrams.SOURCE] * len(c) for c in cands]
-        return pack_trees(roots, cands, max_nodes=self.max_nodes, sources=sources, budget=self.cost_budget)
+        counts = log.count[rows]
+        cands = self.context_candidates(counts.tolist())
+        return self.pack(log.tokens[rows, counts - 1], cands, [[CONTEXT] * len(c) for c in cands])
 
     def update(self, tree, verdict) -> None:
         """Nothing to learn: the next step reads the committed tokens from the commit log."""

@@ -136,7 +136,7 @@ class _HeadContext:
         if self.block:
             self.slots.cache.crop(-self.block)
             self.block = 0
-        if self.slots.valid.shape[0] and self.slots._holes_worth_compacting(int(self.slots.num_valid.max())):
+        if self.slots._holes_worth_compacting():
             self.slots.compact()
 
     def select_rows(self, keep):
@@ -193,9 +193,10 @@ class DraftHeadProposer(Proposer):
         t_start = time.perf_counter()
         head_before = self.ctx.seconds
         self.root_pos = run.next_positions()  # [active]
-        budgets = (run.log.max_new_tokens - run.log.count[run.rows]).tolist()
+        counts = run.log.count[run.rows].tolist()
+        budgets = [run.log.max_new_tokens - c for c in counts]
         roots = self.roots.tolist()
-        found = self.context.candidates() if self.context is not None else None
+        found = self.context.candidates(counts) if self.context is not None else None
         # the context matches share the tree budget: up to half of it is kept for them (their distinct
         # prefixes: tokens that several matches share count once)
         reserve = [min(len({tuple(c[: k + 1]) for c in f for k in range(len(c))}), self.budget // 2) for f in found] \
