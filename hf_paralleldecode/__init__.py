@@ -24,6 +24,8 @@ _LAZY = {
     "speculative": "decoding.speculative",
     "DraftHead": "drafters.head",
     "DraftHeadConfig": "drafters.head",
+    "DiffusionDrafter": "drafters.diffusion",
+    "DiffusionDrafterConfig": "drafters.diffusion",
     "export_draft_head": "drafters.export",
     "ParallelDecodingOutput": "decoding.base",
     "ParallelDecodingConfig": "config",
@@ -35,6 +37,8 @@ _LAZY = {
 }
 
 __all__ = [
+    "DiffusionDrafter",
+    "DiffusionDrafterConfig",
     "DraftHead",
     "DraftHeadConfig",
     "ParallelDecodingConfig",
@@ -95,6 +99,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .decoding.lookahead import lookahead
     from .decoding.prompt_lookup import prompt_lookup
     from .decoding.speculative import speculative
+    from .drafters.diffusion import DiffusionDrafter, DiffusionDrafterConfig
     from .drafters.export import export_draft_head
     from .drafters.head import DraftHead, DraftHeadConfig
     from .hardware import hardware_preset

@@ -31,15 +31,18 @@ Appendix G, with N the drafted nodes), ``head_seconds``, ``draft_host_seconds``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
 import torch
 from transformers.cache_utils import DynamicCache
 
+from ..drafters.diffusion import DiffusionDrafter, target_vocab_size
 from ..hardware import preset_settings
 from .base import Proposer, check_int_setting, checks_settings, decode
 from .cache import SlotCache, additive_mask
+from .diffusion import DiffusionSource
 from .draft_tree import TreeBuilder
 from .processors import prefix_independent, process_prefixes
 from .prompt_lookup import ContextNgrams, check_context_settings
@@ -61,32 +64,63 @@ def _check_tree(tree_budget, tree_width, tree_depth, tree_waves, context_matches
         check_int_setting("tree_waves", tree_waves, 1)
 
 
-def _check_settings(model, drafter, tree_budget, tree_width, tree_depth, tree_waves):
+def load_drafter(drafter, **kwargs):
+    """A :class:`~hf_paralleldecode.DraftHead` or :class:`~hf_paralleldecode.DiffusionDrafter` as given, or
+    loaded from a folder, a Hub repo id or a shipped alias (a folder holding ``diffusion_drafter.json`` is a
+    diffusion drafter, anything else a head); ``ValueError`` naming the cause otherwise."""
+    from pathlib import Path
+
+    from ..drafters.diffusion import DRAFTER_CONFIG_NAME, EMBEDDED_DRAFTERS, DiffusionDrafter
     from ..drafters.head import DraftHead
+
+    if isinstance(drafter, (DraftHead, DiffusionDrafter)):
+        return drafter
+    if isinstance(drafter, tuple):  # (repo id, subfolder) of a Hub bundle
+        return DraftHead.from_pretrained(drafter[0], subfolder=drafter[1], use_safetensors=True, **kwargs)
+    if not isinstance(drafter, (str, os.PathLike)):
+        raise ValueError(
+            f"`drafter` must be a hf_paralleldecode.DraftHead or DiffusionDrafter (or the folder / repo id of one), "
+            f"got {type(drafter).__name__}."
+        )
+    diffusion = str(drafter) in EMBEDDED_DRAFTERS or (Path(drafter) / DRAFTER_CONFIG_NAME).is_file()
+    if not diffusion and not Path(drafter).exists():
+        try:
+            from huggingface_hub import file_exists
+
+            diffusion = file_exists(str(drafter), DRAFTER_CONFIG_NAME, **kwargs)
+        except Exception:  # noqa: BLE001 - offline or missing: the head loader reports the real problem
+            diffusion = False
+    kind = DiffusionDrafter if diffusion else DraftHead
+    try:
+        return kind.from_pretrained(drafter, **kwargs) if diffusion else \
+            DraftHead.from_pretrained(drafter, use_safetensors=True, **kwargs)
+    except Exception as err:  # noqa: BLE001 - any loading failure is a bad setting, reported with its cause
+        raise ValueError(f"Could not load a {kind.__name__} from drafter={str(drafter)!r}: {err}") from err
+
+
+def _check_settings(model, drafter, tree_budget, tree_width, tree_depth, tree_waves):
+    from ..drafters.diffusion import DiffusionDrafter
 
     if drafter is None:
         raise ValueError(
-            'decoding="speculative" needs a drafter: pass drafter=<DraftHead> (hf_paralleldecode.DraftHead.from_pretrained'
-            "(...) or DraftHead.for_target(model)), or load a bundle with hfpd.load_model(dir) that names one."
+            'decoding="speculative" needs a drafter: pass drafter=<DraftHead or DiffusionDrafter> '
+            "(hf_paralleldecode.DraftHead.from_pretrained(...), DraftHead.for_target(model), "
+            "DiffusionDrafter.from_pretrained(...)), or load a bundle with hfpd.load_model(dir) that names one."
         )
-    if isinstance(drafter, (str, os.PathLike)):  # a head folder or Hub repo id
-        try:
-            drafter = DraftHead.from_pretrained(drafter, use_safetensors=True)
-        except Exception as err:  # noqa: BLE001 - any loading failure is a bad setting, reported with its cause
-            raise ValueError(f"Could not load a DraftHead from drafter={str(drafter)!r}: {err}") from err
-    if not isinstance(drafter, DraftHead):
-        raise ValueError(f"`drafter` must be a hf_paralleldecode.DraftHead, got {type(drafter).__name__}.")
+    drafter = load_drafter(drafter)
     drafter.check_target(model)
     _check_tree(tree_budget, tree_width, tree_depth, tree_waves)
     depth = drafter.config.block_size if tree_depth is None else tree_depth
-    if tree_waves is not None and drafter.config.attention != "tree_causal":
+    diffusion = isinstance(drafter, DiffusionDrafter)
+    kind = "diffusion drafter" if diffusion else f"{drafter.config.attention} head"
+    if tree_waves is not None and (diffusion or drafter.config.attention != "tree_causal"):
         raise ValueError(
-            f"tree_waves sets how many forwards a tree_causal head may run per step; this {drafter.config.attention} "
-            "head drafts every depth in one forward. Drop tree_waves."
+            f"tree_waves sets how many forwards a tree_causal head may run per step; this {kind} "
+            "drafts every depth in one forward. Drop tree_waves."
         )
-    if drafter.config.attention == "block_bidirectional" and depth > drafter.config.block_size:
+    if (diffusion or drafter.config.attention == "block_bidirectional") and depth > drafter.config.block_size:
         raise ValueError(
-            f"tree_depth={depth} exceeds the block_bidirectional head's block_size={drafter.config.block_size}: "
+            f"tree_depth={depth} exceeds the {kind}'s block_size={drafter.config.block_size}: "
             "one block drafts at most block_size positions. Lower tree_depth."
         )
     return drafter, depth
@@ -146,29 +180,71 @@ class _HeadContext:
             self.new_valid = self.new_valid[keep]
 
 
-class DraftHeadProposer(Proposer):
-    def __init__(self, run, head, taps, budget, width, depth, waves, context_matches=0, context_tokens=10,
+class _HeadSource:
+    """A draft head's side of the run: context features from the verification forward, its forwards."""
+
+    def __init__(self, run, head, taps):
+        self.head, self.taps = head, taps
+        self.kind = "waves" if head.config.attention == "tree_causal" else "marginals"
+        self.mask_id = head.config.mask_token_id
+        self.ctx = _HeadContext(head, run.rows.shape[0], run.rows.device)
+        self.ctx.add_context(taps.features().to(run.rows.device), run.prompt_positions, run.prompt_mask)  # the prefill
+
+    @property
+    def forwards(self) -> int:
+        return self.ctx.forwards
+
+    @property
+    def seconds(self) -> float:
+        return self.ctx.seconds
+
+    def run(self, ids, positions, visible) -> torch.Tensor:
+        return self.ctx.run(ids, positions, visible)
+
+    def logits(self, hidden) -> torch.Tensor:
+        return self.head.logits(hidden)
+
+    def marginals(self, roots, root_pos) -> torch.Tensor:
+        """DFlash head: one forward over ``[root, MASK x block]`` -> ``[b, block, V]`` for depths ``1..block``."""
+        b, bs = roots.shape[0], self.head.config.block_size
+        ids = torch.cat([roots[:, None], torch.full((b, bs), self.mask_id, device=roots.device)], dim=1)
+        positions = root_pos[:, None] + torch.arange(bs + 1, device=roots.device)[None]
+        visible = torch.ones(b, bs + 1, bs + 1, dtype=torch.bool, device=roots.device)
+        return self.head.logits(self.ctx.run(ids, positions, visible)[:, 1:])
+
+    def update(self, tree, verdict, root_pos) -> None:
+        feats = self.taps.features().to(tree.tokens.device)  # [active, nodes, F] of the verification forward
+        path = verdict.path.clamp(min=0)  # [active, depth + 1]
+        kept = feats.gather(1, path[..., None].expand(-1, -1, feats.shape[-1]))
+        self.ctx.add_context(kept, root_pos[:, None] + tree.depth.gather(1, path), verdict.path >= 0)
+
+    def end_step(self) -> None:
+        self.ctx.end_step()
+
+    def select(self, kept) -> None:
+        self.ctx.select_rows(kept)
+
+
+class DraftProposer(Proposer):
+    """Trees from a learned drafter (a :class:`_HeadSource` or a :class:`~.diffusion.DiffusionSource`)."""
+
+    def __init__(self, run, source, vocab, budget, width, depth, waves, context_matches=0, context_tokens=10,
                  context_ngram_size=3):
-        self.run, self.head, self.taps = run, head, taps
+        self.run, self.source, self.vocab = run, source, vocab
         self.context = (ContextNgrams(run, context_tokens, context_ngram_size, context_matches)
                         if context_matches else None)
         self.context_steps = 0  # steps whose tree held context nodes
         self.budget, self.width, self.depth = budget, width, depth
         self.waves = waves  # causal head: forwards per step at most
         self.sample = bool(run.generation_config.do_sample)
-        self.causal = head.config.attention == "tree_causal"
-        self.mask_id = head.config.mask_token_id
-        rows = run.rows
-        self.ctx = _HeadContext(head, rows.shape[0], rows.device)
-        feats = taps.features()  # [batch, prompt_len, F] from the prefill
-        self.ctx.add_context(feats.to(rows.device), run.prompt_positions, run.prompt_mask)
-        self.roots = run.log.tokens[rows, 0].clone()  # [active] the first token, committed by the prefill
+        self.causal = source.kind == "waves"
+        self.roots = run.log.tokens[run.rows, 0].clone()  # [active] the first token, committed by the prefill
         self.steps, self.drafted_nodes, self.accepted, self.row_steps, self.host = 0, 0, 0, 0, 0.0
         self.accepted_lengths: list[list[int]] = []  # per step, per active row: accepted + 1
 
     def select(self, kept):
         self.roots = self.roots[kept]
-        self.ctx.select_rows(kept)
+        self.source.select(kept)
 
     # ---- children distributions --------------------------------------------------------------
     def _children(self, logits, prefixes, rows):
@@ -191,7 +267,7 @@ class DraftHeadProposer(Proposer):
     def propose(self) -> PackedTree:
         run = self.run
         t_start = time.perf_counter()
-        head_before = self.ctx.seconds
+        drafter_before = self.source.seconds
         self.root_pos = run.next_positions()  # [active]
         counts = run.log.count[run.rows].tolist()
         budgets = [run.log.max_new_tokens - c for c in counts]
@@ -210,14 +286,14 @@ class DraftHeadProposer(Proposer):
             self._grow_causal(builders, histories, row_ids, q_store)
         else:
             self._grow_marginals(builders, histories, row_ids, q_store)
-        self.ctx.end_step()
+        self.source.end_step()
         # with sampling, a tree holding context nodes (not drawn from q) is verified by sample-then-match
         self.drafted_nodes += sum(len(bld.tokens) - 1 for bld in builders)  # the head's nodes (drafting_cost)
         mixed = found is not None and self._add_context(builders, found)
         self.context_steps += int(mixed)
         tree = self._pack(builders, q_store, sample_then_match=mixed)
         self.steps += 1
-        self.host += time.perf_counter() - t_start - (self.ctx.seconds - head_before)
+        self.host += time.perf_counter() - t_start - (self.source.seconds - drafter_before)
         return tree
 
     @staticmethod
@@ -238,19 +314,16 @@ class DraftHeadProposer(Proposer):
                 q_store[(i, v)] = q[k]
 
     def _grow_marginals(self, builders, histories, row_ids, q_store):
-        """DFlash head: one forward over ``[root, MASK x block]`` -> per-depth marginals."""
+        """Per-depth marginals ``[b, D, V]`` from one drafter step (a DFlash head, a diffusion drafter): a
+        node at depth ``d`` takes its children from the marginal of depth ``d + 1``."""
         b = len(builders)
-        bs = self.head.config.block_size
-        device = self.roots.device
-        ids = torch.cat([self.roots[:, None], torch.full((b, bs), self.mask_id, device=device)], dim=1)
-        positions = self.root_pos[:, None] + torch.arange(bs + 1, device=device)[None]
-        visible = torch.ones(b, bs + 1, bs + 1, dtype=torch.bool, device=device)
-        marginals = self.head.logits(self.ctx.run(ids, positions, visible))  # [b, bs + 1, V]
+        marginals = self.source.marginals(self.roots, self.root_pos)  # [b, D, V] for depths 1..D
+        bs = marginals.shape[1]
         shared = None
         if not self.sample and prefix_independent(self.run.logits_processor or []):
             # greedy, processors blind to the prefix: every node of a depth has the same children
             flat = [(i, d) for i in range(b) for d in range(bs)]
-            _, kids = self._children(marginals[:, 1:].reshape(b * bs, -1), None, [row_ids[i] for i, _ in flat])
+            _, kids = self._children(marginals.reshape(b * bs, -1), None, [row_ids[i] for i, _ in flat])
             shared = {key: kids[k] for k, key in enumerate(flat)}
         while True:
             wanted = [bld.wanted() for bld in builders]
@@ -262,7 +335,7 @@ class DraftHeadProposer(Proposer):
                         builders[i].give(v, shared[(i, builders[i].depth[v])])
                 continue
             flat = self._flat(wanted)
-            logits = torch.stack([marginals[i, builders[i].depth[v] + 1] for i, v in flat])
+            logits = torch.stack([marginals[i, builders[i].depth[v]] for i, v in flat])
             self._evaluate(builders, flat, logits, histories, row_ids, q_store)
 
     def _grow_causal(self, builders, histories, row_ids, q_store):
@@ -280,8 +353,8 @@ class DraftHeadProposer(Proposer):
                     bld.freeze()
                 continue
             s = 2 * max(len(w) for w in wanted)
-            base = self.ctx.block
-            ids = torch.full((b, s), self.mask_id, dtype=torch.long, device=device)
+            base = self.source.ctx.block
+            ids = torch.full((b, s), self.source.mask_id, dtype=torch.long, device=device)
             pos = self.root_pos[:, None].repeat(1, s)
             visible = torch.zeros(b, s, base + s, dtype=torch.bool, device=device)
             visible[:, torch.arange(s), base + torch.arange(s)] = True  # every slot sees itself
@@ -299,10 +372,10 @@ class DraftHeadProposer(Proposer):
                     visible[i, query, base + real] = True
                     slot_of[i][v] = base + real
                     query_slot[i][v] = query
-            hidden = self.ctx.run(ids, pos, visible)
+            hidden = self.source.run(ids, pos, visible)
             waves += 1
             flat = self._flat(wanted)
-            logits = self.head.logits(torch.stack([hidden[i, query_slot[i][v]] for i, v in flat]))
+            logits = self.source.logits(torch.stack([hidden[i, query_slot[i][v]] for i, v in flat]))
             self._evaluate(builders, flat, logits, histories, row_ids, q_store)
 
     def _add_context(self, builders, found) -> bool:
@@ -329,19 +402,14 @@ class DraftHeadProposer(Proposer):
         q = None
         if self.sample and not sample_then_match:
             q = torch.zeros(len(builders), max(len(bld.tokens) for bld in builders),
-                            self.head.config.target_vocab_size, device=self.roots.device)
+                            self.vocab, device=self.roots.device)
             for (i, v), dist in q_store.items():
                 q[i, v] = dist
         return tree_from_parents(self.roots, [bld.tokens for bld in builders], [bld.parents for bld in builders],
                                  [bld.depth for bld in builders], q=q)
 
     def update(self, tree, verdict) -> None:
-        feats = self.taps.features().to(tree.tokens.device)  # [active, nodes, F] of the verification forward
-        path = verdict.path.clamp(min=0)  # [active, depth + 1]
-        valid = verdict.path >= 0
-        kept = feats.gather(1, path[..., None].expand(-1, -1, feats.shape[-1]))
-        positions = self.root_pos[:, None] + tree.depth.gather(1, path)
-        self.ctx.add_context(kept, positions, valid)
+        self.source.update(tree, verdict, self.root_pos)
         self.roots = verdict.tokens.gather(1, verdict.num_accepted[:, None]).squeeze(1)
         self.accepted_lengths.append((verdict.num_accepted + 1).tolist())
         self.accepted += int((verdict.num_accepted + 1).sum())
@@ -351,15 +419,18 @@ class DraftHeadProposer(Proposer):
     def stats(self) -> dict:
         steps = max(self.steps, 1)
         per_verify = max(self.run.target.seconds, 1e-12) / max(self.run.num_forward_passes, 1)
-        per_node = self.ctx.seconds / steps / max(self.drafted_nodes / steps, 1e-12)  # T_draft / N
+        per_node = self.source.seconds / steps / max(self.drafted_nodes / steps, 1e-12)  # T_draft / N
+        longest = max((max(step) for step in self.accepted_lengths if step), default=0)
+        names = ("drafter",) if isinstance(self.source, DiffusionSource) else ("drafter", "head")
         return dict(
             mean_accepted_length=self.accepted / max(self.row_steps, 1),
             tau=self.accepted / max(self.row_steps, 1),
+            max_accepted_length=longest,
             accepted_lengths=self.accepted_lengths,
-            head_forwards_per_step=self.ctx.forwards / steps,
             drafting_cost=per_node / per_verify,
-            head_seconds=self.ctx.seconds,
             draft_host_seconds=self.host,
+            **{f"{n}_forwards_per_step": self.source.forwards / steps for n in names},
+            **{f"{n}_seconds": self.source.seconds for n in names},
             **({} if self.context is None else {**self.context.stats, "context_step_share": self.context_steps / steps}),
         )
 
@@ -418,17 +489,28 @@ def speculative(
     drafter, depth = _check_settings(model, drafter, tree_budget, tree_width, tree_depth, tree_waves)
     if drafter.device != model.device or drafter.dtype != model.dtype:
         drafter.to(device=model.device, dtype=model.dtype)
-    drafter.bind(model)
+    vocab = target_vocab_size(model)
+    settings = dict(tree_budget=tree_budget, tree_width=tree_width, tree_depth=depth, context_matches=context_matches,
+                    context_tokens=context_tokens, context_ngram_size=context_ngram_size, hardware_preset=preset)
+    if isinstance(drafter, DiffusionDrafter):
+        c = drafter.config
+        settings.update(drafter="diffusion", diffusion_attention=c.attention, denoise_steps=c.denoise_steps,
+                        block_size=c.block_size)
+        taps = contextlib.nullcontext()
+        make_source = lambda run, _: DiffusionSource(run, drafter, vocab)  # noqa: E731
+    else:
+        drafter.bind(model)
+        settings.update(drafter="head", head=drafter.config.attention)
+        taps = HiddenStateTaps(model, drafter.config.target_layer_ids)
+        make_source = lambda run, taps: _HeadSource(run, drafter, taps)  # noqa: E731
     waves = tree_waves or depth
-    with HiddenStateTaps(model, drafter.config.target_layer_ids) as taps:  # hooks removed on exit
+    if settings.get("head") == "tree_causal":
+        settings["tree_waves"] = waves
+    with taps:  # hooks removed on exit
         return decode(
             model, "speculative",
-            lambda run: DraftHeadProposer(run, drafter, taps, tree_budget, tree_width, depth, waves, context_matches,
-                                          context_tokens, context_ngram_size),
-            input_ids, logits_processor, stopping_criteria, generation_config, streamer, model_kwargs,
-            dict(tree_budget=tree_budget, tree_width=tree_width, tree_depth=depth, head=drafter.config.attention,
-                 context_matches=context_matches, context_tokens=context_tokens, context_ngram_size=context_ngram_size,
-                 hardware_preset=preset,
-                 **({"tree_waves": waves} if drafter.config.attention == "tree_causal" else {})),
+            lambda run: DraftProposer(run, make_source(run, taps), vocab, tree_budget, tree_width, depth, waves,
+                                      context_matches, context_tokens, context_ngram_size),
+            input_ids, logits_processor, stopping_criteria, generation_config, streamer, model_kwargs, settings,
             pd_streamer=pd_streamer,
         )

@@ -1,0 +1,441 @@
+"""DEER drafters: a masked-diffusion (or masked) LM that drafts a whole block in one denoising step.
+
+Reference: Cheng et al., *DEER: Draft with Diffusion, Verify with Autoregressive Models*
+(Tsinghua / SJTU, 2025; ``shared/seeds/deer_project_page.txt``).
+
+What it is
+    :class:`DiffusionDrafter` wraps any model that fills masked positions and shares the target's
+    vocabulary: a stock ``*ForMaskedLM`` (BERT-style encoder), a LLaDA / Dream-style diffusion LM
+    the user loaded with ``trust_remote_code=True`` (the library never loads remote code on its
+    own), or a stock decoder (``*ForCausalLM``) run with block-diffusion masks. The drafter gives,
+    for a prefix ``x_1..x_j`` and a block of ``k`` mask tokens, the per-position distributions
+    ``q_1..q_k`` of the next ``k`` tokens from one forward (DEER: "one-step denoising"); the
+    speculative strategy grows its draft tree from them and verifies it in one target forward.
+
+Two attentions (:data:`DIFFUSION_ATTENTIONS`)
+    * ``"block_causal"`` (block diffusion, SDAR / Fast-dLLM-v2 style): committed tokens attend
+      causally, the block attends to the whole prefix and bidirectionally within itself. The
+      prefix's keys/values never depend on the block, so the drafter keeps a KV cache of the
+      committed tokens across steps and a step feeds only the newly committed tokens plus the
+      block. Needs a model that takes 4D masks, ``position_ids`` and ``past_key_values``
+      (transformers' decoder classes with ``sdpa`` or ``eager`` attention).
+    * ``"bidirectional"`` (LLaDA, Dream, BERT): every slot sees every slot, so the prefix's
+      representation changes as it grows and there is nothing to cache: every step feeds the last
+      ``context_window`` committed tokens plus the block (a cost linear in the window, per step;
+      ``docs/methods/deer.md`` measures it).
+
+Prediction conventions (``shifted``; one place, :meth:`DiffusionDrafter.query_index`)
+    The block is ``[boundary?] + [MASK] * k`` after the *anchor* (the last committed token).
+    * ``shifted=False`` (LLaDA, BERT: a masked slot predicts its own token): depth ``d`` is read
+      from the ``d``-th mask slot.
+    * ``shifted=True`` (Dream: position ``i`` predicts token ``i + 1``): depth ``d`` is read from
+      the slot before the ``d``-th mask (the anchor, or the boundary token, for ``d = 1``).
+    Training (``training/diffusion_alignment.py``) and drafting use the same function.
+
+Vocabulary
+    The drafter's vocabulary may extend the target's by special rows (its mask and boundary tokens
+    are usually new rows): ``q`` is read from the target's ``V`` rows only. A drafter with fewer rows
+    than the target, one recorded for another vocabulary size, or one whose tokenizer differs from
+    the target's (compared by a fingerprint of ``get_vocab()`` when both are known) is refused
+    before any forward (:meth:`DiffusionDrafter.check_target`).
+
+What it deliberately does not know
+    How trees are built or verified (``decoding/speculative.py``) or how it is trained.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+from pathlib import Path
+
+import torch
+from torch import nn
+
+__all__ = ["DiffusionDrafter", "DiffusionDrafterConfig", "DIFFUSION_ATTENTIONS", "EMBEDDED_DRAFTERS",
+           "tokenizer_fingerprint"]
+
+DIFFUSION_ATTENTIONS = ("block_causal", "bidirectional")
+DRAFTER_CONFIG_NAME = "diffusion_drafter.json"
+
+#: shipped diffusion drafters (``DiffusionDrafter.from_pretrained("default-deer")``) -> folder under assets/
+EMBEDDED_DRAFTERS = {"default-deer": "stdlib-coder-8m-deer"}
+
+
+def tokenizer_fingerprint(tokenizer, vocab_size: int | None = None) -> str:
+    """sha256 of a tokenizer's ``token -> id`` table (ids below ``vocab_size`` when given)."""
+    items = sorted((i, t) for t, i in tokenizer.get_vocab().items() if vocab_size is None or i < vocab_size)
+    return hashlib.sha256(json.dumps(items, ensure_ascii=False).encode()).hexdigest()[:16]
+
+
+def _int_at_least(name, value, low):
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"`{name}` must be an integer >= {low}, got {value!r}.")
+
+
+@dataclasses.dataclass
+class DiffusionDrafterConfig:
+    """What :class:`DiffusionDrafter` needs beyond the wrapped model (saved as ``diffusion_drafter.json``).
+
+    Args:
+        mask_token_id: the wrapped model's mask token.
+        block_size: k, masked positions drafted per step (``tree_depth`` at most k).
+        attention: ``"block_causal"`` (prefix KV cache) or ``"bidirectional"`` (no cache).
+        shifted: ``True`` when position ``i`` predicts token ``i + 1`` (Dream), ``False`` when a
+            masked slot predicts its own token (LLaDA, BERT).
+        boundary_token_id: DEER's ``[SEP]``: a token placed between the prefix and the masks (in
+            training and drafting alike); ``None`` = no boundary token.
+        denoise_steps: denoising forwards per draft (1 = DEER's one step). With more, each step
+            unmasks the most confident remaining positions and the next step conditions on them.
+        context_window: ``"bidirectional"`` only: committed tokens fed per step (the most recent
+            ones); default: the model's ``max_position_embeddings`` minus the block, at most 1024.
+        target_vocab_size: the target vocabulary it was built / trained for (checked when set).
+        tokenizer_fingerprint: :func:`tokenizer_fingerprint` of the target's tokenizer (checked when
+            the target's tokenizer can be found).
+        target_name_or_path: provenance, for the model card.
+    """
+
+    mask_token_id: int
+    block_size: int = 16
+    attention: str = "block_causal"
+    shifted: bool = False
+    boundary_token_id: int | None = None
+    denoise_steps: int = 1
+    context_window: int | None = None
+    target_vocab_size: int | None = None
+    tokenizer_fingerprint: str | None = None
+    target_name_or_path: str | None = None
+
+    def __post_init__(self):
+        _int_at_least("mask_token_id", self.mask_token_id, 0)
+        _int_at_least("block_size", self.block_size, 1)
+        _int_at_least("denoise_steps", self.denoise_steps, 1)
+        if self.denoise_steps > self.block_size:
+            raise ValueError(f"denoise_steps={self.denoise_steps} exceeds block_size={self.block_size}: each step "
+                             "unmasks at least one position. Lower denoise_steps.")
+        if self.attention not in DIFFUSION_ATTENTIONS:
+            raise ValueError(f"`attention` must be one of {DIFFUSION_ATTENTIONS}, got {self.attention!r}.")
+        if not isinstance(self.shifted, bool):
+            raise ValueError(f"`shifted` must be True or False, got {self.shifted!r}.")
+        if self.boundary_token_id is not None:
+            _int_at_least("boundary_token_id", self.boundary_token_id, 0)
+            if self.boundary_token_id == self.mask_token_id:
+                raise ValueError("boundary_token_id must differ from mask_token_id.")
+        if self.context_window is not None:
+            _int_at_least("context_window", self.context_window, 1)
+        if self.target_vocab_size is not None:
+            _int_at_least("target_vocab_size", self.target_vocab_size, 1)
+
+    @property
+    def block_length(self) -> int:
+        """Slots of a drafted block: the boundary token (if any) and ``block_size`` masks."""
+        return self.block_size + (self.boundary_token_id is not None)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _logit_rows(model) -> int:
+    out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if out is not None and getattr(out, "weight", None) is not None:
+        return int(out.weight.shape[0])
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return int(config.vocab_size)
+
+
+def target_vocab_size(target) -> int:
+    """Rows of the target's logits (its vocabulary as the verifier sees it)."""
+    return _logit_rows(target)
+
+
+_TOKENIZER_FINGERPRINTS: dict[tuple[str, int], str | None] = {}
+
+
+def _target_fingerprint(target, vocab: int) -> str | None:
+    """Fingerprint of the tokenizer stored next to a local target (``config._name_or_path``), or None."""
+    path = getattr(target.config, "_name_or_path", None) or ""
+    if not path or not Path(path).is_dir():
+        return None
+    key = (str(Path(path).resolve()), vocab)
+    if key not in _TOKENIZER_FINGERPRINTS:
+        found = None
+        if (Path(path) / "tokenizer.json").is_file() or (Path(path) / "tokenizer_config.json").is_file():
+            try:
+                from ..loading import load_tokenizer
+
+                found = tokenizer_fingerprint(load_tokenizer(path), vocab)
+            except Exception:  # noqa: BLE001 - an unreadable tokenizer just means nothing to compare
+                found = None
+        _TOKENIZER_FINGERPRINTS[key] = found
+    return _TOKENIZER_FINGERPRINTS[key]
+
+
+class DiffusionDrafter(nn.Module):
+    """A masked-diffusion drafter for ``decoding="speculative"`` (see module docstring).
+
+    Args:
+        model: the masked / diffusion LM (a ``transformers`` model, or any module whose forward takes
+            ``input_ids`` and ``attention_mask`` and returns ``.logits``).
+        mask_token_id: its mask token (default: ``model.config.mask_token_id``, then the tokenizer's).
+        block_size, attention, shifted, boundary_token_id, denoise_steps, context_window: see
+            :class:`DiffusionDrafterConfig`. ``attention`` defaults to ``"block_causal"`` for a stock
+            ``*ForCausalLM`` and ``"bidirectional"`` for anything else.
+        tokenizer: the tokenizer it shares with the target (its fingerprint is recorded and checked).
+        target_vocab_size: the target vocabulary size, when known.
+    """
+
+    def __init__(self, model, mask_token_id: int | None = None, block_size: int = 16, attention: str | None = None,
+                 shifted: bool = False, boundary_token_id: int | None = None, denoise_steps: int = 1,
+                 context_window: int | None = None, tokenizer=None, target_vocab_size: int | None = None,
+                 target_name_or_path: str | None = None, config: DiffusionDrafterConfig | None = None):
+        super().__init__()
+        if not isinstance(model, nn.Module):
+            raise ValueError(f"DiffusionDrafter wraps a torch model (a masked / diffusion LM), got {type(model).__name__}.")
+        if config is None:
+            if mask_token_id is None:
+                mask_token_id = getattr(getattr(model, "config", None), "mask_token_id", None)
+            if mask_token_id is None and tokenizer is not None:
+                mask_token_id = tokenizer.mask_token_id
+            if mask_token_id is None:
+                raise ValueError("DiffusionDrafter needs mask_token_id= (the wrapped model's mask token): neither the "
+                                 "model's config nor the tokenizer names one.")
+            if attention is None:
+                attention = "block_causal" if type(model).__name__.endswith("ForCausalLM") else "bidirectional"
+            config = DiffusionDrafterConfig(
+                mask_token_id=mask_token_id, block_size=block_size, attention=attention, shifted=shifted,
+                boundary_token_id=boundary_token_id, denoise_steps=denoise_steps, context_window=context_window,
+                target_vocab_size=target_vocab_size,
+                tokenizer_fingerprint=tokenizer_fingerprint(tokenizer, target_vocab_size) if tokenizer is not None
+                else None,
+                target_name_or_path=target_name_or_path,
+            )
+        self.config = config
+        self.model = model
+        rows = _logit_rows(model)
+        for name in ("mask_token_id", "boundary_token_id"):
+            value = getattr(config, name)
+            if value is not None and value >= rows:
+                raise ValueError(f"{name}={value} is not a token of the wrapped model ({rows} rows).")
+        if config.attention == "block_causal":
+            impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+            if impl not in (None, "sdpa", "eager"):
+                raise ValueError(
+                    f"A block_causal drafter feeds 4D block-diffusion masks, which attn_implementation={impl!r} does "
+                    "not honour. Load the drafter with attn_implementation='sdpa' (or 'eager')."
+                )
+
+    # ---- facts --------------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the drafter's logits (the target's vocabulary plus any special rows)."""
+        return _logit_rows(self.model)
+
+    @property
+    def max_positions(self) -> int | None:
+        config = getattr(self.model, "config", None)
+        return getattr(config, "max_position_embeddings", None) if config is not None else None
+
+    @property
+    def context_window(self) -> int:
+        """Committed tokens a bidirectional drafter reads per step."""
+        if self.config.context_window is not None:
+            return self.config.context_window
+        limit = self.max_positions or 1024 + self.config.block_length
+        return max(1, min(1024, limit - self.config.block_length))
+
+    def block_ids(self) -> list[int]:
+        """The block fed after the anchor: ``[boundary?] + [MASK] * block_size``."""
+        c = self.config
+        return ([c.boundary_token_id] if c.boundary_token_id is not None else []) + [c.mask_token_id] * c.block_size
+
+    def query_index(self) -> torch.Tensor:
+        """``[block_size]``: for depth ``d = 1..k``, the index into ``[anchor] + block`` of the slot whose
+        logits predict it (see "Prediction conventions" in the module docstring)."""
+        first_mask = 1 + (self.config.boundary_token_id is not None)  # index of mask 1 in [anchor] + block
+        d = torch.arange(self.config.block_size)
+        return first_mask + d - (1 if self.config.shifted else 0)
+
+    # ---- checking -----------------------------------------------------------------------------
+    def check_target(self, target, tokenizer=None) -> None:
+        """``ValueError`` when the drafter cannot draft for ``target`` (vocabulary or tokenizer differ).
+
+        ``tokenizer``: the target's tokenizer; by default the one saved next to a local target.
+        """
+        vocab = target_vocab_size(target)
+        c = self.config
+        if self.vocab_size < vocab:
+            raise ValueError(
+                f"This diffusion drafter has {self.vocab_size} vocabulary rows, the target {vocab}: it does not share "
+                "the target's vocabulary. Use a drafter trained with the target's tokenizer."
+            )
+        if c.target_vocab_size is not None and c.target_vocab_size != vocab:
+            raise ValueError(
+                f"This diffusion drafter was built for a {c.target_vocab_size}-token vocabulary, the target has "
+                f"{vocab}. Use a drafter trained with the target's tokenizer."
+            )
+        if c.tokenizer_fingerprint is not None:
+            theirs = tokenizer_fingerprint(tokenizer, c.target_vocab_size) if tokenizer is not None else \
+                _target_fingerprint(target, c.target_vocab_size or vocab)
+            if theirs is not None and theirs != c.tokenizer_fingerprint:
+                raise ValueError(
+                    "This diffusion drafter was trained with another tokenizer than the target's (their token -> id "
+                    "tables differ). Use a drafter trained with the target's tokenizer."
+                )
+        limit = self.max_positions
+        if c.attention == "bidirectional" and limit is not None and self.context_window + c.block_length > limit:
+            raise ValueError(
+                f"context_window={self.context_window} + the block ({c.block_length} slots) exceeds the drafter's "
+                f"max_position_embeddings={limit}. Lower context_window."
+            )
+
+    # ---- running ------------------------------------------------------------------------------
+    def forward(self, input_ids, attention_mask=None, position_ids=None, past_key_values=None, **kwargs):
+        """The wrapped model's forward (its logits: ``[batch, slots, drafter vocab]``)."""
+        extra = {}
+        if position_ids is not None:
+            extra["position_ids"] = position_ids
+        if past_key_values is not None:
+            extra.update(past_key_values=past_key_values, use_cache=True)
+        elif self.config.attention == "block_causal":
+            extra["use_cache"] = False
+        keep = kwargs.pop("logits_to_keep", None)
+        if keep is not None and self._takes_logits_to_keep:
+            extra["logits_to_keep"] = keep
+            keep = None
+        logits = self.model(input_ids=input_ids, attention_mask=attention_mask, **extra, **kwargs).logits
+        return logits if keep is None else logits[:, -keep:]
+
+    @property
+    def _takes_logits_to_keep(self) -> bool:
+        import inspect
+
+        return "logits_to_keep" in inspect.signature(self.model.forward).parameters
+
+    # ---- building -----------------------------------------------------------------------------
+    @classmethod
+    def for_target(cls, target, num_hidden_layers: int = 2, block_size: int = 16, attention: str = "block_causal",
+                   hidden_size: int | None = None, shifted: bool = False, boundary_token: bool = False,
+                   tokenizer=None, **overrides) -> DiffusionDrafter:
+        """A randomly initialised small drafter for ``target``: its vocabulary plus a mask row (and a boundary
+        row with ``boundary_token=True``).
+
+        ``block_causal`` builds a Llama-style decoder (``LlamaForCausalLM``, sdpa) run with block-diffusion
+        masks; ``bidirectional`` a BERT encoder (``BertForMaskedLM``). ``hidden_size`` defaults to the
+        target's; ``overrides`` go to the model config.
+        """
+        import transformers
+
+        if attention not in DIFFUSION_ATTENTIONS:
+            raise ValueError(f"`attention` must be one of {DIFFUSION_ATTENTIONS}, got {attention!r}.")
+        vocab = target_vocab_size(target)
+        tcfg = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
+        hidden = hidden_size or int(getattr(tcfg, "hidden_size", None) or getattr(tcfg, "n_embd", 64))
+        heads = int(getattr(tcfg, "num_attention_heads", None) or getattr(tcfg, "n_head", 4))
+        if hidden % heads:
+            heads = math.gcd(hidden, heads) or 1
+        mask_id = vocab
+        boundary_id = vocab + 1 if boundary_token else None
+        rows = vocab + 1 + bool(boundary_token)
+        max_pos = int(getattr(tcfg, "max_position_embeddings", None) or getattr(tcfg, "n_positions", 2048) or 2048)
+        if attention == "block_causal":
+            cfg = transformers.LlamaConfig(**{**dict(
+                vocab_size=rows, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=num_hidden_layers,
+                num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=max_pos,
+                tie_word_embeddings=True, pad_token_id=None, bos_token_id=None, eos_token_id=None,
+                initializer_range=float(getattr(tcfg, "initializer_range", 0.02)), mask_token_id=mask_id,
+            ), **overrides})
+            model = transformers.LlamaForCausalLM(cfg)
+        else:
+            cfg = transformers.BertConfig(**{**dict(
+                vocab_size=rows, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=num_hidden_layers,
+                num_attention_heads=heads, max_position_embeddings=min(max_pos, 512 + block_size + 1),
+                pad_token_id=0, type_vocab_size=1, mask_token_id=mask_id,
+                initializer_range=float(getattr(tcfg, "initializer_range", 0.02)),
+            ), **overrides})
+            model = transformers.BertForMaskedLM(cfg)
+        model.set_attn_implementation("sdpa")
+        drafter = cls(model, mask_token_id=mask_id, block_size=block_size, attention=attention, shifted=shifted,
+                      boundary_token_id=boundary_id, tokenizer=tokenizer, target_vocab_size=vocab,
+                      target_name_or_path=getattr(tcfg, "_name_or_path", None) or None)
+        return drafter.to(device=target.device, dtype=target.dtype).eval()
+
+    # ---- saving and loading -------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, path, trust_remote_code: bool = False, **kwargs) -> DiffusionDrafter:
+        """Load a folder written by :meth:`save_pretrained` (or a shipped alias, :data:`EMBEDDED_DRAFTERS`).
+
+        A Hub repo id is fetched with ``huggingface_hub.snapshot_download``. ``trust_remote_code`` is
+        passed to transformers only when you set it (LLaDA / Dream checkpoints need it).
+        """
+        from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
+
+        if isinstance(path, str) and path in EMBEDDED_DRAFTERS:
+            path = Path(__file__).resolve().parent.parent / "assets" / EMBEDDED_DRAFTERS[path]
+        folder = Path(path)
+        if not folder.is_dir():
+            from huggingface_hub import snapshot_download
+
+            hub = {k: kwargs.pop(k) for k in ("revision", "token") if k in kwargs}
+            folder = Path(snapshot_download(str(path), **hub))
+        spec = folder / DRAFTER_CONFIG_NAME
+        if not spec.is_file():
+            raise ValueError(f"{folder} holds no {DRAFTER_CONFIG_NAME}: it is not a DiffusionDrafter folder.")
+        config = DiffusionDrafterConfig(**json.loads(spec.read_text()))
+        auto = AutoModelForCausalLM if config.attention == "block_causal" else AutoModelForMaskedLM
+        kwargs.setdefault("use_safetensors", True)
+        kwargs.setdefault("attn_implementation", "sdpa")
+        model = auto.from_pretrained(folder, trust_remote_code=trust_remote_code, **kwargs)
+        return cls(model, config=config).eval()
+
+    def save_pretrained(self, save_directory, **kwargs) -> None:
+        """The wrapped model (safetensors), ``diffusion_drafter.json`` and a model card."""
+        out = Path(save_directory)
+        out.mkdir(parents=True, exist_ok=True)
+        kwargs["safe_serialization"] = True
+        self.model.save_pretrained(out, **kwargs)
+        (out / DRAFTER_CONFIG_NAME).write_text(json.dumps(self.config.to_dict(), indent=2, sort_keys=True) + "\n")
+        readme = out / "README.md"
+        if not readme.exists():
+            readme.write_text(self.model_card())
+
+    def push_to_hub(self, repo_id: str, commit_message: str = "Upload diffusion drafter", private: bool | None = None,
+                    token=None, revision: str | None = None, **kwargs) -> str:
+        """Upload what :meth:`save_pretrained` writes to ``repo_id``."""
+        import tempfile
+
+        from huggingface_hub import HfApi
+
+        api = HfApi(token=token)
+        repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
+        with tempfile.TemporaryDirectory() as tmp:
+            self.save_pretrained(tmp)
+            info = api.upload_folder(folder_path=tmp, repo_id=repo_id, commit_message=commit_message,
+                                     revision=revision, **kwargs)
+        return str(info)
+
+    def model_card(self) -> str:
+        c = self.config
+        layers = getattr(getattr(self.model, "config", None), "num_hidden_layers", "?")
+        return (
+            "---\nlibrary_name: hf_paralleldecode\ntags:\n- speculative-decoding\n- diffusion-drafter\n- deer\n"
+            + (f"base_model: {c.target_name_or_path}\n" if c.target_name_or_path else "")
+            + "---\n\n"
+            f"# DEER diffusion drafter\n\nA {layers}-layer {c.attention} masked-diffusion drafter "
+            f"({type(self.model).__name__}) that drafts {c.block_size} tokens per denoising step for "
+            f"`{c.target_name_or_path or 'its target'}` (mask token {c.mask_token_id}"
+            + (f", boundary token {c.boundary_token_id}" if c.boundary_token_id is not None else "")
+            + f", {'shifted' if c.shifted else 'unshifted'} predictions).\n\n```python\nimport hf_paralleldecode as hfpd\n\n"
+            "target = hfpd.load_model(TARGET)\ndrafter = hfpd.DiffusionDrafter.from_pretrained(DRAFTER)\n"
+            "out = target.generate(**inputs, decoding=\"speculative\", drafter=drafter)\n```\n\n"
+            "Config:\n\n```json\n" + json.dumps(c.to_dict(), indent=2, sort_keys=True) + "\n```\n"
+        )
