@@ -65,10 +65,11 @@ def load_model(
     If ``pretrained`` holds a ``parallel_decoding_config.json`` (or ``decoding_config`` is given),
     ``model.generate(...)`` uses that decoding and its settings unless the call overrides them.
 
-    Draft heads: a bundle (target + ``drafter/`` + a config naming it) loads with its head, and
-    ``drafter=`` (a :class:`~hf_paralleldecode.DraftHead`, a path or a Hub repo id holding a head)
-    attaches one to any target; without a config, ``generate()`` then defaults to
-    ``decoding="speculative"``. A head built for another target is refused here.
+    Drafters: a bundle (target + ``drafter/`` + a config naming it) loads with its drafter, and
+    ``drafter=`` (a :class:`~hf_paralleldecode.DraftHead` or :class:`~hf_paralleldecode.DiffusionDrafter`,
+    a path, a Hub repo id or a shipped alias) attaches one to any target; without a config,
+    ``generate()`` then defaults to ``decoding="speculative"``. A drafter built for another target
+    (or vocabulary / tokenizer) is refused here.
     """
     from transformers import AutoModelForCausalLM
 
@@ -85,7 +86,7 @@ def load_model(
     if drafter is None and config is not None and config.drafter is not None:
         drafter = _resolve_drafter_path(pretrained, config.drafter)
     elif drafter is None and config is not None and config.decoding == "speculative" and \
-            (Path(pretrained) / BUNDLE_DRAFTER_DIR / "config.json").is_file():
+            (Path(pretrained) / BUNDLE_DRAFTER_DIR).is_dir():
         drafter = Path(pretrained) / BUNDLE_DRAFTER_DIR  # a bundle whose config does not name its head
     if drafter is not None:
         head = _load_drafter(drafter, hub_kwargs)
@@ -107,15 +108,9 @@ def _resolve_drafter_path(pretrained, drafter: str):
 
 
 def _load_drafter(drafter, hub_kwargs):
-    from .drafters.head import DraftHead
+    from .decoding.speculative import load_drafter
 
-    if isinstance(drafter, DraftHead):
-        return drafter
-    if isinstance(drafter, tuple):  # (repo id, subfolder) of a Hub bundle
-        return DraftHead.from_pretrained(drafter[0], subfolder=drafter[1], use_safetensors=True, **hub_kwargs)
-    if not isinstance(drafter, (str, os.PathLike)):
-        raise ValueError(f"`drafter` must be a DraftHead, a path or a repo id, got {type(drafter).__name__}.")
-    return DraftHead.from_pretrained(drafter, use_safetensors=True, **hub_kwargs)
+    return load_drafter(drafter, **hub_kwargs)
 
 
 def load_tokenizer(path, **kwargs):

@@ -3,7 +3,8 @@
 Per step (``decoding/speculative.py`` grows the tree and verifies it)
     :meth:`DiffusionSource.marginals` gives ``[active, k, V]`` draft logits for depths ``1..k``
     after each row's last committed token (the *anchor*), from one denoising forward of the
-    drafter over ``[committed..., boundary?, MASK x k]`` (:class:`~..drafters.DiffusionDrafter`).
+    drafter over ``[committed..., boundary?, MASK x k]`` (:class:`~..drafters.DiffusionDrafter`);
+    ``k`` is the tree's depth (``tree_depth``, at most the drafter's ``block_size``).
     * ``block_causal`` drafters keep the committed tokens' keys/values in their own
       :class:`~.cache.SlotCache`: a step feeds only the tokens committed since the last step
       (left-padded per row, causal among themselves) plus the block (bidirectional, seeing the
@@ -38,15 +39,16 @@ class DiffusionSource:
 
     kind = "marginals"
 
-    def __init__(self, run, drafter, vocab: int):
+    def __init__(self, run, drafter, vocab: int, depth: int | None = None):
         self.run, self.drafter, self.vocab = run, drafter, vocab
         c = drafter.config
         self.causal = c.attention == "block_causal"
         device = run.rows.device
-        self.block = torch.tensor(drafter.block_ids(), dtype=torch.long, device=device)  # [L]
-        self.query = drafter.query_index().to(device)  # [k] into [anchor] + block
+        depth = c.block_size if depth is None else depth  # masks fed per step: the tree's depth
+        self.block = torch.tensor(drafter.block_ids(depth), dtype=torch.long, device=device)  # [L]
+        self.query = drafter.query_index(depth).to(device)  # [k] into [anchor] + block
         self.first_mask = 1 + (c.boundary_token_id is not None)  # index of mask 1 in [anchor] + block
-        self.steps = c.denoise_steps
+        self.steps = min(c.denoise_steps, depth)
         self.forwards, self.seconds = 0, 0.0
         self.fed_tokens = 0  # drafter input slots, summed over forwards (the bidirectional cost)
         if self.causal:

@@ -1,4 +1,13 @@
-"""Speculative decoding with a draft head: the head drafts a token tree, the target verifies it in one forward.
+"""Speculative decoding with a learned drafter: it drafts a token tree, the target verifies it in one forward.
+
+Two drafter kinds, one proposer (:class:`DraftProposer`), which grows the tree, applies the user's
+processors to ``q``, merges context n-grams and packs; a *source* gives it the drafter's
+distributions:
+    * a draft head (:class:`~hf_paralleldecode.DraftHead`: JetSpec tree-causal, DFlash
+      block-bidirectional) reads the target's hidden states (:class:`_HeadSource`);
+    * a DEER diffusion drafter (:class:`~hf_paralleldecode.DiffusionDrafter`) reads only tokens and
+      gives per-depth marginals from one denoising forward (:class:`~.diffusion.DiffusionSource`);
+      the tree is grown from them exactly as from a DFlash head's (``tree_width=1``: DEER's block).
 
 Per step (rows run independently; ``cache.py`` explains how they share one cache)
     1. The head receives the target features of the tokens committed last step (from the
@@ -24,9 +33,12 @@ Per step (rows run independently; ``cache.py`` explains how they share one cache
        the head keeps the accepted path's features and drops its block slots.
 
 Statistics (``output.stats``): ``mean_accepted_length`` (also ``tau``: accepted drafted tokens + 1
-per step, the convention of the JetSpec and DFlash papers), ``accepted_lengths`` (per step, per
-active row), ``head_forwards_per_step``, ``drafting_cost`` (c = (T_draft / N) / T_verify, JetSpec
-Appendix G, with N the drafted nodes), ``head_seconds``, ``draft_host_seconds``.
+per step, the convention of the JetSpec and DFlash papers), ``max_accepted_length``,
+``accepted_lengths`` (per step, per active row), ``drafter_forwards_per_step`` and
+``drafter_seconds`` (also ``head_*`` for heads), ``drafting_cost`` (c = (T_draft / N) / T_verify,
+JetSpec Appendix G, with N the drafted nodes), ``draft_host_seconds``; diffusion drafters add
+``drafter_tokens_per_forward`` (input slots per drafter forward: what a bidirectional drafter's
+missing prefix cache costs).
 """
 
 from __future__ import annotations
@@ -431,6 +443,8 @@ class DraftProposer(Proposer):
             draft_host_seconds=self.host,
             **{f"{n}_forwards_per_step": self.source.forwards / steps for n in names},
             **{f"{n}_seconds": self.source.seconds for n in names},
+            **({"drafter_tokens_per_forward": self.source.fed_tokens / max(self.source.forwards, 1)}
+               if isinstance(self.source, DiffusionSource) else {}),
             **({} if self.context is None else {**self.context.stats, "context_step_share": self.context_steps / steps}),
         )
 
@@ -461,14 +475,17 @@ def speculative(
     output is distributed as stock sampling (multi-draft rejection sampling with the head's ``q``).
 
     Args:
-        drafter (DraftHead | str | None): a :class:`hf_paralleldecode.DraftHead` built for this model, or the folder / Hub repo id
-            of one, or a shipped head's alias (``"default-jetspec"``, ``"default-dflash"``). It is moved
-            to the model's device and dtype and bound to the model.
+        drafter (DraftHead | DiffusionDrafter | str | None): a :class:`hf_paralleldecode.DraftHead` built for
+            this model, a :class:`hf_paralleldecode.DiffusionDrafter` sharing its vocabulary (DEER), the folder /
+            Hub repo id of either, or a shipped alias (``"default-jetspec"``, ``"default-dflash"``,
+            ``"default-deer"``). It is moved to the model's device and dtype; a head is bound to the model.
+            A drafter for another vocabulary or tokenizer is refused before any forward.
         tree_budget: B, drafted nodes per step (the verification forward feeds B + 1 tokens); default:
             the device preset (:func:`hf_paralleldecode.hardware_preset`): 16 on CPU, where the shipped
             heads were fastest at B=16 (docs/methods/speculative.md), 128 to 256 on GPUs at batch 1.
         tree_width: W, children per node (1 = a chain).
-        tree_depth: N, levels below the root (default: the head's ``block_size``).
+        tree_depth: N, levels below the root (default: the drafter's ``block_size``). A diffusion drafter
+            feeds ``tree_depth`` masks per step (its block size at inference, at most its ``block_size``).
         tree_waves: ``tree_causal`` heads only: head forwards per step at most (default: ``tree_depth``).
             Exact best-first insertion evaluates a node only once it is in the tree, so a confident
             chain takes one wave per level and the tree is capped near ``tree_waves x tree_width``
@@ -497,7 +514,7 @@ def speculative(
         settings.update(drafter="diffusion", diffusion_attention=c.attention, denoise_steps=c.denoise_steps,
                         block_size=c.block_size)
         taps = contextlib.nullcontext()
-        make_source = lambda run, _: DiffusionSource(run, drafter, vocab)  # noqa: E731
+        make_source = lambda run, _: DiffusionSource(run, drafter, vocab, depth)  # noqa: E731
     else:
         drafter.bind(model)
         settings.update(drafter="head", head=drafter.config.attention)

@@ -137,12 +137,16 @@ class DiffusionDrafterConfig:
         return dataclasses.asdict(self)
 
 
-def _logit_rows(model) -> int:
+def _logit_rows(model) -> int | None:
+    """Rows of a model's logits, from its output embedding or its config (None when neither says)."""
     out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if out is not None and getattr(out, "weight", None) is not None:
         return int(out.weight.shape[0])
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    return int(config.vocab_size)
+    config = getattr(model, "config", None)
+    if config is None:
+        return None
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return getattr(config, "vocab_size", None)
 
 
 def target_vocab_size(target) -> int:
@@ -172,6 +176,32 @@ def _target_fingerprint(target, vocab: int) -> str | None:
     return _TOKENIZER_FINGERPRINTS[key]
 
 
+def _copy_target_weights(model, target, layers: int) -> None:
+    """Copy the target's embeddings (+ mean rows for new tokens), first ``layers`` layers, final norm and LM head."""
+    from ..decoding.target import decoder_layers
+
+    with torch.no_grad():
+        for get in ("get_input_embeddings", "get_output_embeddings"):
+            mine, theirs = getattr(model, get)(), getattr(target, get)()
+            if mine is None or theirs is None:
+                continue
+            v = theirs.weight.shape[0]
+            mine.weight[:v] = theirs.weight
+            mine.weight[v:] = theirs.weight.mean(0, keepdim=True)
+            if getattr(theirs, "bias", None) is not None and getattr(mine, "bias", None) is not None:
+                mine.bias[:v] = theirs.bias
+        src, dst = decoder_layers(target), decoder_layers(model)
+        for i in range(layers):
+            dst[i].load_state_dict(src[i].state_dict())
+        # everything else the two share by name and shape (the final norm, rotary buffers)
+        theirs = dict(target.state_dict())
+        for name, tensor in model.state_dict().items():
+            if ".layers." in name or "embed" in name or "lm_head" in name:
+                continue
+            if name in theirs and theirs[name].shape == tensor.shape:
+                tensor.copy_(theirs[name])
+
+
 class DiffusionDrafter(nn.Module):
     """A masked-diffusion drafter for ``decoding="speculative"`` (see module docstring).
 
@@ -184,12 +214,15 @@ class DiffusionDrafter(nn.Module):
             ``*ForCausalLM`` and ``"bidirectional"`` for anything else.
         tokenizer: the tokenizer it shares with the target (its fingerprint is recorded and checked).
         target_vocab_size: the target vocabulary size, when known.
+        vocab_size: rows of the model's logits, for a model that has neither an output embedding nor a
+            ``config.vocab_size``.
     """
 
     def __init__(self, model, mask_token_id: int | None = None, block_size: int = 16, attention: str | None = None,
                  shifted: bool = False, boundary_token_id: int | None = None, denoise_steps: int = 1,
                  context_window: int | None = None, tokenizer=None, target_vocab_size: int | None = None,
-                 target_name_or_path: str | None = None, config: DiffusionDrafterConfig | None = None):
+                 target_name_or_path: str | None = None, config: DiffusionDrafterConfig | None = None,
+                 vocab_size: int | None = None):
         super().__init__()
         if not isinstance(model, nn.Module):
             raise ValueError(f"DiffusionDrafter wraps a torch model (a masked / diffusion LM), got {type(model).__name__}.")
@@ -213,7 +246,11 @@ class DiffusionDrafter(nn.Module):
             )
         self.config = config
         self.model = model
-        rows = _logit_rows(model)
+        rows = _logit_rows(model) or vocab_size
+        if rows is None:
+            raise ValueError(f"Cannot tell how many vocabulary rows {type(model).__name__}'s logits have (no output "
+                             "embedding, no config.vocab_size): pass vocab_size=.")
+        self._rows = int(rows)
         for name in ("mask_token_id", "boundary_token_id"):
             value = getattr(config, name)
             if value is not None and value >= rows:
@@ -238,7 +275,7 @@ class DiffusionDrafter(nn.Module):
     @property
     def vocab_size(self) -> int:
         """Rows of the drafter's logits (the target's vocabulary plus any special rows)."""
-        return _logit_rows(self.model)
+        return self._rows
 
     @property
     def max_positions(self) -> int | None:
@@ -253,16 +290,17 @@ class DiffusionDrafter(nn.Module):
         limit = self.max_positions or 1024 + self.config.block_length
         return max(1, min(1024, limit - self.config.block_length))
 
-    def block_ids(self) -> list[int]:
-        """The block fed after the anchor: ``[boundary?] + [MASK] * block_size``."""
+    def block_ids(self, length: int | None = None) -> list[int]:
+        """The block fed after the anchor: ``[boundary?] + [MASK] * length`` (default ``block_size``)."""
         c = self.config
-        return ([c.boundary_token_id] if c.boundary_token_id is not None else []) + [c.mask_token_id] * c.block_size
+        masks = c.block_size if length is None else length
+        return ([c.boundary_token_id] if c.boundary_token_id is not None else []) + [c.mask_token_id] * masks
 
-    def query_index(self) -> torch.Tensor:
-        """``[block_size]``: for depth ``d = 1..k``, the index into ``[anchor] + block`` of the slot whose
-        logits predict it (see "Prediction conventions" in the module docstring)."""
+    def query_index(self, length: int | None = None) -> torch.Tensor:
+        """``[length]`` (default ``block_size``): for depth ``d = 1..length``, the index into ``[anchor] + block``
+        of the slot whose logits predict it (see "Prediction conventions" in the module docstring)."""
         first_mask = 1 + (self.config.boundary_token_id is not None)  # index of mask 1 in [anchor] + block
-        d = torch.arange(self.config.block_size)
+        d = torch.arange(self.config.block_size if length is None else length)
         return first_mask + d - (1 if self.config.shifted else 0)
 
     # ---- checking -----------------------------------------------------------------------------
@@ -325,13 +363,18 @@ class DiffusionDrafter(nn.Module):
     @classmethod
     def for_target(cls, target, num_hidden_layers: int = 2, block_size: int = 16, attention: str = "block_causal",
                    hidden_size: int | None = None, shifted: bool = False, boundary_token: bool = False,
-                   tokenizer=None, **overrides) -> DiffusionDrafter:
+                   tokenizer=None, init_from_target: bool = False, **overrides) -> DiffusionDrafter:
         """A randomly initialised small drafter for ``target``: its vocabulary plus a mask row (and a boundary
         row with ``boundary_token=True``).
 
         ``block_causal`` builds a Llama-style decoder (``LlamaForCausalLM``, sdpa) run with block-diffusion
         masks; ``bidirectional`` a BERT encoder (``BertForMaskedLM``). ``hidden_size`` defaults to the
         target's; ``overrides`` go to the model config.
+
+        ``init_from_target=True`` (``block_causal`` only; Dream's recipe of starting a diffusion LM from
+        an AR model): the drafter is the target's own class with its first ``num_hidden_layers``
+        layers, embeddings, final norm and LM head copied (the new mask / boundary rows start at the
+        mean embedding). Pair it with ``shifted=True``, the convention the AR weights already follow.
         """
         import transformers
 
@@ -347,7 +390,19 @@ class DiffusionDrafter(nn.Module):
         boundary_id = vocab + 1 if boundary_token else None
         rows = vocab + 1 + bool(boundary_token)
         max_pos = int(getattr(tcfg, "max_position_embeddings", None) or getattr(tcfg, "n_positions", 2048) or 2048)
-        if attention == "block_causal":
+        if init_from_target:
+            if attention != "block_causal":
+                raise ValueError("init_from_target copies a decoder's layers: it needs attention='block_causal'.")
+            import copy
+
+            cfg = copy.deepcopy(tcfg)
+            for key, value in dict(num_hidden_layers=num_hidden_layers, vocab_size=rows, mask_token_id=mask_id,
+                                   **overrides).items():
+                setattr(cfg, key, value)
+            if hasattr(cfg, "layer_types") and cfg.layer_types is not None:
+                cfg.layer_types = list(cfg.layer_types)[:num_hidden_layers]
+            model = type(target)(cfg)
+        elif attention == "block_causal":
             cfg = transformers.LlamaConfig(**{**dict(
                 vocab_size=rows, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=num_hidden_layers,
                 num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=max_pos,
@@ -359,11 +414,14 @@ class DiffusionDrafter(nn.Module):
             cfg = transformers.BertConfig(**{**dict(
                 vocab_size=rows, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=num_hidden_layers,
                 num_attention_heads=heads, max_position_embeddings=min(max_pos, 512 + block_size + 1),
-                pad_token_id=0, type_vocab_size=1, mask_token_id=mask_id,
+                pad_token_id=0, type_vocab_size=1, mask_token_id=mask_id, hidden_dropout_prob=0.0,
+                attention_probs_dropout_prob=0.0,
                 initializer_range=float(getattr(tcfg, "initializer_range", 0.02)),
             ), **overrides})
             model = transformers.BertForMaskedLM(cfg)
         model.set_attn_implementation("sdpa")
+        if init_from_target:
+            _copy_target_weights(model, target, num_hidden_layers)
         drafter = cls(model, mask_token_id=mask_id, block_size=block_size, attention=attention, shifted=shifted,
                       boundary_token_id=boundary_id, tokenizer=tokenizer, target_vocab_size=vocab,
                       target_name_or_path=getattr(tcfg, "_name_or_path", None) or None)

@@ -1,10 +1,12 @@
 """Training: trajectory collection, regenerated data, packing, losses (pure functions) and trl-style trainers."""
 
 from .collators import ConsistencyCollator, ProgressiveCollator
+from .diffusion_alignment import DiffusionAlignmentCollator, DiffusionAlignmentConfig, DiffusionAlignmentTrainer
 from .draft_head import DraftHeadCollator, DraftHeadDistillationConfig, DraftHeadDistillationTrainer
 from .losses import (
     ar_loss,
     consistency_loss,
+    diffusion_alignment_loss,
     divergence,
     draft_distillation_loss,
     position_weights,
@@ -20,6 +22,10 @@ from .trainers import (
 from .trajectories import collect_trajectories, load_trajectories
 
 __all__ = [
+    "DiffusionAlignmentCollator",
+    "DiffusionAlignmentConfig",
+    "DiffusionAlignmentTrainer",
+    "diffusion_alignment_loss",
     "ConsistencyCollator",
     "DraftHeadCollator",
     "DraftHeadDistillationConfig",

@@ -165,3 +165,28 @@ def draft_distillation_loss(
     total = (per * weights).sum()
     denom = num_items_in_batch if num_items_in_batch is not None else weights.sum().clamp(min=1e-12)
     return scale * total / denom
+
+
+def diffusion_alignment_loss(
+    student_logits: torch.Tensor,  # [..., vocab] the drafter's logits at the masked positions
+    labels: torch.Tensor,  # [...] the tokens behind the masks (the AR target's own answer)
+    weights: torch.Tensor,  # [...] w_i of each masked position (0 where it does not count)
+    teacher_logits: torch.Tensor | None = None,  # [..., vocab] the target's logits there (KL objectives)
+    objective: str = "sft",
+    temperature: float = 1.0,
+    num_items_in_batch=None,  # the sum of weights over the optimizer step (gradient accumulation)
+) -> torch.Tensor:
+    """DEER's diffusion-to-AR alignment objective: ``sum_i w_i l_i / sum_i w_i`` over the masked positions.
+
+    ``l_i`` is the cross-entropy of the masked token (``"sft"``: stage I reconstructs the masked
+    continuation with ``w_i = 1``, stage II weighs the ``R`` tokens after the prefix with
+    ``w_i = exp(-(i - 1) / gamma)``), or ``T^2`` times a KL to the target's softened distribution
+    (``"forward_kl"`` / ``"reverse_kl"``, which need ``teacher_logits``). Normalised by
+    ``num_items_in_batch`` when given (the step's total weight), else by this batch's total weight.
+    """
+    if objective not in DISTILLATION_OBJECTIVES:
+        raise ValueError(f"objective must be one of {DISTILLATION_OBJECTIVES}, got {objective!r}.")
+    if objective != "sft" and teacher_logits is None:
+        raise ValueError(f"objective={objective!r} needs teacher_logits (the target's logits at the masked positions).")
+    return draft_distillation_loss(student_logits, teacher_logits, weights, objective, temperature, labels=labels,
+                                   num_items_in_batch=num_items_in_batch)

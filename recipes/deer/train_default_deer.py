@@ -1,0 +1,123 @@
+"""Train the embedded DEER drafter (``DiffusionDrafter.from_pretrained("default-deer")``) on CPU.
+
+No pretrained diffusion LM shares the embedded model's tokenizer, so the drafter is made here in
+three stages, each saved as a drafter folder (rerunning skips finished stages):
+
+0. Masked-diffusion pretraining on the standard library (the demo model's training split, the
+   embedded tokenizer plus a mask and a boundary token). The drafter is a 2-layer copy of the
+   embedded model's own first layers (``init_from_target=True``, Dream's AR initialisation,
+   shifted predictions), block-causal (it keeps a prefix KV cache at inference).
+1. DEER stage I on the base model's own greedy answers (``hf-paralleldecode regenerate``):
+   continuation distillation, the masked continuation after a random truncation point.
+2. DEER stage II on the same answers: the R tokens after the prefix, exponentially decaying weights.
+
+Every stage draws its masked span per batch from ``--spans`` so one drafter serves block sizes 4
+to 32 (``tree_depth``). Reproduce (2 CPU cores; the regenerated answers as in recipes/draft_head_tiny_cpu.yaml):
+
+    python recipes/demo_model/make_prompts.py --split train --num_prompts 1600 --per_file 4 --out runs/deer/train_prompts.jsonl
+    hf-paralleldecode regenerate --model default --prompts runs/deer/train_prompts.jsonl --output-dir runs/deer/regen --max-new-tokens 96
+    python recipes/deer/train_default_deer.py --work_dir runs/deer --export_dir hf_paralleldecode/assets/stdlib-coder-8m-deer
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "demo_model"))
+
+
+def text_dataset(tokenizer, seq_len: int, max_tokens: int):
+    import datasets
+    from train_demo_model import chunk_ids, stdlib_files
+
+    chunks = chunk_ids(tokenizer, stdlib_files(held_out=False), seq_len, max_tokens)
+    return datasets.Dataset.from_dict({"input_ids": chunks.tolist(), "prompt_ids": [[] for _ in range(len(chunks))]})
+
+
+def run_stage(stage, drafter, target, dataset, out_dir: Path, args, steps: int, lr: float):
+    from hf_paralleldecode.training import DiffusionAlignmentConfig, DiffusionAlignmentTrainer
+
+    config = DiffusionAlignmentConfig(
+        output_dir=str(out_dir / "checkpoints"), stage=stage, max_steps=steps, per_device_train_batch_size=args.batch_size,
+        learning_rate=lr, lr_scheduler_type="cosine", warmup_steps=min(50, steps // 10), weight_decay=0.0,
+        max_anchors=args.max_anchors, span_lengths=args.spans, logging_steps=25, save_steps=200, save_total_limit=1,
+        use_cpu=True, report_to="none", seed=args.seed, dataloader_num_workers=0,
+        base_model_name_or_path="stdlib-coder-8m",
+    )
+    trainer = DiffusionAlignmentTrainer(model=drafter.train(), args=config, train_dataset=dataset)
+    t0 = time.time()
+    checkpoints = sorted((out_dir / "checkpoints").glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+    trainer.train(resume_from_checkpoint=str(checkpoints[-1]) if checkpoints else None)
+    trainer.save_model(str(out_dir))
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    report = dict(stage=stage, steps=steps, learning_rate=lr, seconds=round(time.time() - t0, 1), rows=len(dataset),
+                  first_log=logs[0] if logs else None, last_log=logs[-1] if logs else None)
+    (out_dir / "stage_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    return drafter.eval(), report
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--work_dir", default="runs/deer")
+    parser.add_argument("--regen", default=None, help="regenerated answers (default: WORK_DIR/regen)")
+    parser.add_argument("--export_dir", default=None)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--block_size", type=int, default=32)
+    parser.add_argument("--spans", type=int, nargs="+", default=[4, 8, 16, 32])
+    parser.add_argument("--batch_size", type=int, default=8)
+    parser.add_argument("--max_anchors", type=int, default=8)
+    parser.add_argument("--seq_len", type=int, default=256)
+    parser.add_argument("--text_tokens", type=int, default=3_000_000)
+    parser.add_argument("--steps", type=int, nargs=3, default=[1500, 600, 400], help="stage 0, I, II")
+    parser.add_argument("--lr", type=float, nargs=3, default=[1e-3, 5e-4, 2e-4])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    import hf_paralleldecode as hfpd
+    from hf_paralleldecode.drafters.diffusion import DRAFTER_CONFIG_NAME
+    from hf_paralleldecode.training import load_regenerated
+
+    target, tokenizer = hfpd.load_default_model()
+    work = Path(args.work_dir)
+    reports = []
+    stages = [(0, work / "stage0"), (1, work / "stage1"), (2, work / "stage2")]
+    drafter = None
+    for (stage, out), steps, lr in zip(stages, args.steps, args.lr):
+        if (out / DRAFTER_CONFIG_NAME).is_file():
+            drafter = hfpd.DiffusionDrafter.from_pretrained(out)
+            reports.append(json.loads((out / "stage_report.json").read_text()))
+            print(f"stage {stage}: done already ({out})", flush=True)
+            continue
+        if drafter is None:
+            torch.manual_seed(args.seed)
+            drafter = hfpd.DiffusionDrafter.for_target(
+                target, num_hidden_layers=args.layers, block_size=args.block_size, shifted=True, boundary_token=True,
+                init_from_target=True, tokenizer=tokenizer)
+        if stage == 0:
+            data = text_dataset(tokenizer, args.seq_len, args.text_tokens)
+        else:
+            data = load_regenerated(args.regen or str(work / "regen"), tokenizer=tokenizer)
+        print(f"stage {stage}: {len(data)} rows, {steps} steps", flush=True)
+        drafter, report = run_stage(stage, drafter, target, data, out, args, steps, lr)
+        reports.append(report)
+        print(json.dumps(report), flush=True)
+    if args.export_dir:
+        export = Path(args.export_dir)
+        drafter.config.target_name_or_path = "stdlib-coder-8m"
+        drafter.save_pretrained(export)
+        (export / "training_report.json").write_text(json.dumps(dict(
+            recipe="recipes/deer/train_default_deer.py", layers=args.layers, block_size=args.block_size,
+            spans=args.spans, batch_size=args.batch_size, max_anchors=args.max_anchors, stages=reports), indent=2) + "\n")
+        print(f"exported to {export}")
+
+
+if __name__ == "__main__":
+    main()
