@@ -208,15 +208,30 @@ _HEADS: dict = {}  # loaded heads by path / alias, exported DFlash drafters by h
 
 
 def _resolve_drafter(settings: dict) -> dict:
-    """``drafter=PATH`` (a draft-head folder or repo id) becomes the loaded head (loaded once)."""
+    """``drafter=PATH`` (a draft-head or diffusion-drafter folder, repo id or alias) becomes the loaded drafter
+    (loaded once)."""
     drafter = settings.get("drafter")
     if not isinstance(drafter, str):
         return settings
     if drafter not in _HEADS:
-        from .drafters.head import DraftHead
+        from .decoding.speculative import load_drafter
 
-        _HEADS[drafter] = DraftHead.from_pretrained(drafter, use_safetensors=True)
+        _HEADS[drafter] = load_drafter(drafter)
     return {**settings, "drafter": _HEADS[drafter]}
+
+
+def draft_acceptance(accepted_lengths: list[list[int]]) -> dict:
+    """From a run's per-step, per-row accepted lengths (accepted drafts + 1): ``tau`` (their mean),
+    ``max_accepted_length``, ``steps`` and ``acceptance_by_depth`` (for depth ``d = 1, 2, ...``: the share of
+    steps that reached depth ``d - 1`` whose draft at depth ``d`` was accepted, i.e. the conditional
+    acceptance rate along the block)."""
+    flat = [n for step in accepted_lengths for n in step]
+    if not flat:
+        return {}
+    longest = max(flat)
+    reached = [sum(1 for n in flat if n - 1 >= d) for d in range(longest)]  # accepted drafts >= d
+    return dict(tau=sum(flat) / len(flat), max_accepted_length=longest, steps=len(flat),
+                acceptance_by_depth=[reached[d] / reached[d - 1] for d in range(1, longest) if reached[d - 1]])
 
 
 def _generate_kwargs(model, spec: StrategySpec | None) -> dict:
@@ -264,6 +279,8 @@ def _one_run(model, enc, spec: StrategySpec | None, max_new_tokens: int, timer: 
             params = inspect.signature(get_decoding(kwargs["decoding"])).parameters
             resolved = {k: v for k, v in out.stats.items() if k in params and isinstance(v, (bool, int, float, str))}
             stats, out = out.stats, out.sequences
+            if "accepted_lengths" in stats:
+                resolved["_draft"] = draft_acceptance(stats["accepted_lengths"])
         gen = out[:, prompt_len:]
         # a row finished early leaves our strategies' forwards; stock greedy keeps computing every row
         row_forwards = stats["row_forwards"] if ours else gen.shape[0] * timer.count
@@ -380,7 +397,9 @@ def run_benchmark(
             settings={k: v if isinstance(v, (bool, int, float, str, type(None))) else type(v).__name__
                       for k, v in (spec.settings if spec else {}).items()},
             sequential_rows=_row_by_row(spec, batch_size),
-            resolved_settings=resolved[lab],
+            resolved_settings={k: v for k, v in resolved[lab].items() if k != "_draft"},
+            # learned drafters: tau, the longest accepted block, conditional acceptance by depth (last repeat)
+            **resolved[lab].get("_draft", {}),
             tpf=med(r["tokens"] / max(r["row_forwards"], 1) for r in runs),
             tokens_per_second=med(r["tokens"] / r["seconds"] for r in runs),
             decode_tokens_per_second=med(r["decode_tokens"] / r["decode_seconds"] for r in runs),

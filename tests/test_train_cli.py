@@ -109,6 +109,33 @@ def test_train_cli_draft_head_recipe(setup, tmp_path, attention):
     assert torch.equal(out.sequences, target.generate(input_ids=ids, max_new_tokens=10, decoding="stock"))
 
 
+@pytest.mark.parametrize("attention", ["block_causal", "bidirectional"])
+def test_train_cli_deer_recipe_stage_one_then_two(setup, tmp_path, attention):
+    from hf_paralleldecode.training.regenerate import regenerate
+
+    regen = tmp_path / "regen"
+    regenerate(tiny_model("llama"), word_tokenizer(), [f"t{5 + i} t{6 + i}" for i in range(8)], regen,
+               max_new_tokens=12, progress=False)
+    common = dict(method="deer", model_name_or_path=str(setup / "model"), trajectories=str(regen), max_anchors=4,
+                  per_device_train_batch_size=4, max_steps=2, learning_rate=1e-3, logging_steps=1,
+                  save_strategy="no", use_cpu=True, report_to="none", seed=0)
+    stages = [dict(output_dir=str(tmp_path / "one"), drafter_attention=attention, drafter_num_hidden_layers=1,
+                   drafter_block_size=3, drafter_boundary_token=True, stage=1),
+              dict(output_dir=str(tmp_path / "two"), init_drafter=str(tmp_path / "one"), stage=2, gamma=2.0)]
+    for i, spec in enumerate(stages):
+        path = tmp_path / f"deer{i}.yaml"
+        path.write_text(yaml.safe_dump({**common, **spec}))
+        assert cli.main(["train", "--config", str(path)]) == 0
+    drafter = hfpd.DiffusionDrafter.from_pretrained(tmp_path / "two")
+    assert drafter.config.attention == attention and drafter.config.block_size == 3
+    assert drafter.config.boundary_token_id == 98 and drafter.config.tokenizer_fingerprint is not None
+    target = hfpd.load_model(setup / "model", drafter=tmp_path / "two")
+    ids = torch.tensor([[5, 6, 7]])
+    out = target.generate(input_ids=ids, max_new_tokens=10, return_dict_in_generate=True)
+    assert out.decoding == "speculative" and out.stats["drafter"] == "diffusion"
+    assert torch.equal(out.sequences, target.generate(input_ids=ids, max_new_tokens=10, decoding="stock"))
+
+
 def test_draft_head_recipe_seed_makes_the_run_reproducible(setup, tmp_path):
     """The recipe's seed also seeds the new head's initialisation (two runs give the same head)."""
     from safetensors.torch import load_file
@@ -198,7 +225,11 @@ def test_every_recipe_passes_a_dry_run(recipe, tmp_path, capsys):
         assert spec["model_name_or_path"] in ("default", "default-trained"), "add the Hub config of a new target"
     assert cli.main(["train", "--config", str(recipe), "--dry-run", *extra]) == 0
     summary = json.loads(capsys.readouterr().out)
-    assert summary["method"] == spec["method"] and summary["trainable_parameters"] > 0
+    assert summary["method"] == spec["method"]
+    if "init_drafter" in spec:  # a later stage starts from the previous one's output: its size is known then
+        assert summary["trainable_parameters"] is None and summary["drafter"]["init_drafter"] == spec["init_drafter"]
+    else:
+        assert summary["trainable_parameters"] > 0
     if spec["method"] == "draft_head":
         head = summary["head"]
         assert head["block_size"] == spec["head_block_size"]
@@ -211,6 +242,10 @@ def test_every_recipe_passes_a_dry_run(recipe, tmp_path, capsys):
                     spec["per_device_train_batch_size"]) == (5, 16, 3e-4, 2)
             assert head["mask_token_id"] == 151669 and 0.9e9 < head["parameters"] < 1.2e9
             assert summary["target_parameters"] > 7.5e9
+    if spec["method"] == "deer" and "init_drafter" not in spec:
+        drafter = summary["drafter"]
+        assert drafter["block_size"] == spec["drafter_block_size"] and drafter["parameters"] > 0
+        assert summary["trains"].startswith("the diffusion drafter only")
     assert not Path(spec["output_dir"]).exists() or spec["model_name_or_path"] in ("default", "default-trained")
 
 

@@ -1,10 +1,10 @@
 """``hf-paralleldecode train --config RECIPE.yaml [--key value ...]``: one entry point for every recipe.
 
-A recipe is a YAML mapping: ``method`` (``cllm``, ``jacobi_forcing`` or ``draft_head``),
+A recipe is a YAML mapping: ``method`` (``cllm``, ``jacobi_forcing``, ``draft_head`` or ``deer``),
 ``model_name_or_path``, ``trajectories`` (a directory written by ``hf-paralleldecode collect``, or by
-``regenerate`` for ``draft_head``, whose head is described by the ``head_*`` keys) and any field of
-the method's config class (``ConsistencyConfig`` / ``ProgressiveConsistencyConfig`` /
-``DraftHeadDistillationConfig``, i.e. every
+``regenerate`` for ``draft_head`` and ``deer``, whose drafters are described by the ``head_*`` /
+``drafter_*`` keys) and any field of the method's config class (``ConsistencyConfig`` /
+``ProgressiveConsistencyConfig`` / ``DraftHeadDistillationConfig`` / ``DiffusionAlignmentConfig``, i.e. every
 ``TrainingArguments`` field plus the method's own). Command-line ``--key value`` pairs override
 the file (``HfArgumentParser`` rules). Runs under ``accelerate launch`` as is.
 
@@ -25,7 +25,8 @@ __all__ = ["ScriptArguments", "train_main"]
 
 METHODS = {"cllm": ("ConsistencyConfig", "ConsistencyTrainer"),
            "jacobi_forcing": ("ProgressiveConsistencyConfig", "ProgressiveConsistencyTrainer"),
-           "draft_head": ("DraftHeadDistillationConfig", "DraftHeadDistillationTrainer")}
+           "draft_head": ("DraftHeadDistillationConfig", "DraftHeadDistillationTrainer"),
+           "deer": ("DiffusionAlignmentConfig", "DiffusionAlignmentTrainer")}
 
 
 @dataclass
@@ -34,7 +35,7 @@ class ScriptArguments:
     model_name_or_path: str = field(metadata={"help": "Base model: 'default' (embedded demo model), a path or Hub id."})
     trajectories: str = field(metadata={"help": (
         "Training data: trajectories written by `hf-paralleldecode collect` (cllm, jacobi_forcing) or "
-        "continuations written by `hf-paralleldecode regenerate` (draft_head).")})
+        "continuations written by `hf-paralleldecode regenerate` (draft_head, deer).")})
     head_attention: str = field(default="tree_causal", metadata={"help": "draft_head: 'tree_causal' or 'block_bidirectional'."})
     head_num_hidden_layers: int = field(default=1, metadata={"help": "draft_head: layers of the new head."})
     head_block_size: int = field(default=16, metadata={"help": "draft_head: drafted positions per block."})
@@ -43,6 +44,17 @@ class ScriptArguments:
     head_mask_token_id: int | None = field(default=None, metadata={"help": (
         "draft_head: the MASK token id of a new head (default: the last row of the target's embedding).")})
     init_head: str | None = field(default=None, metadata={"help": "draft_head: start from this saved head instead."})
+    drafter_attention: str = field(default="block_causal", metadata={"help": (
+        "deer: a new drafter's attention, 'block_causal' (prefix KV cache) or 'bidirectional'.")})
+    drafter_num_hidden_layers: int = field(default=2, metadata={"help": "deer: layers of a new drafter."})
+    drafter_block_size: int = field(default=16, metadata={"help": "deer: masked positions a new drafter drafts."})
+    drafter_shifted: bool = field(default=False, metadata={"help": "deer: position i predicts token i+1 (Dream)."})
+    drafter_boundary_token: bool = field(default=False, metadata={"help": (
+        "deer: a new [SEP] row placed between the prefix and the masks (DEER stage I).")})
+    drafter_init_from_target: bool = field(default=False, metadata={"help": (
+        "deer: copy the target's first layers, embeddings and LM head into the new drafter (block_causal).")})
+    init_drafter: str | None = field(default=None, metadata={"help": (
+        "deer: start from this saved DiffusionDrafter (e.g. stage 1's output for stage 2, or a converted dLLM).")})
     drop_degenerate: bool = field(default=True, metadata={"help": "Skip responses flagged as repetitive."})
     attn_implementation: str = field(default="sdpa", metadata={"help": "Attention implementation (4D masks: sdpa or eager)."})
 
@@ -127,6 +139,16 @@ def _new_head(model, script, args):
                                 target_name_or_path=args.base_model_name_or_path, **mask)
 
 
+def _new_drafter(model, script, tokenizer=None):
+    from ..drafters.diffusion import DiffusionDrafter
+
+    return DiffusionDrafter.for_target(
+        model, num_hidden_layers=script.drafter_num_hidden_layers, block_size=script.drafter_block_size,
+        attention=script.drafter_attention, shifted=script.drafter_shifted,
+        boundary_token=script.drafter_boundary_token, init_from_target=script.drafter_init_from_target,
+        tokenizer=tokenizer)
+
+
 def _dry_run(method: str, script, args, model_path) -> dict:
     """Build what the recipe trains from configs alone (meta device) and summarise it."""
     import torch
@@ -155,6 +177,19 @@ def _dry_run(method: str, script, args, model_path) -> dict:
                                  mask_token_id=c.mask_token_id, parameters=trainable),
                        objective=args.objective, kd_temperature=args.kd_temperature, gamma=args.gamma,
                        max_anchors=args.max_anchors)
+    elif method == "deer":
+        if script.init_drafter:  # a saved drafter (often the previous stage's output, not there yet)
+            trainable, spec = None, dict(init_drafter=script.init_drafter,
+                                         exists=Path(script.init_drafter, "diffusion_drafter.json").is_file())
+        else:
+            with torch.device("meta"):  # sizes only: no memory for a large vocabulary
+                drafter = _new_drafter(target, script)
+            trainable = count(drafter)
+            spec = dict(drafter.config.to_dict(), num_hidden_layers=script.drafter_num_hidden_layers,
+                        init_from_target=script.drafter_init_from_target, parameters=trainable)
+        summary.update(trains="the diffusion drafter only (the target is never updated or saved)", drafter=spec,
+                       stage=args.stage, objective=args.objective, max_anchors=args.max_anchors,
+                       span_lengths=args.span_lengths)
     else:
         trainable = count(target)
         summary.update(trains="the whole model", block_size=getattr(args, "block_size", None))
@@ -220,6 +255,16 @@ def train_main(argv: list[str]) -> int:
         else:
             head = _new_head(model, script, args)
         trainer = trainer_cls(model=head.train(), args=args, target_model=model, train_dataset=dataset)
+    elif method == "deer":
+        from ..drafters.diffusion import DiffusionDrafter
+        from .regenerate import load_regenerated
+
+        dataset = load_regenerated(script.trajectories, tokenizer=tokenizer)
+        drafter = DiffusionDrafter.from_pretrained(script.init_drafter) if script.init_drafter else \
+            _new_drafter(model, script, tokenizer)
+        drafter.check_target(model, tokenizer=tokenizer)
+        target = model if args.objective != "sft" else None  # cross-entropy needs no teacher forward
+        trainer = trainer_cls(model=drafter.train(), args=args, target_model=target, train_dataset=dataset)
     else:
         dataset = load_trajectories(script.trajectories, drop_degenerate=script.drop_degenerate, tokenizer=tokenizer)
         if len(dataset) == 0:

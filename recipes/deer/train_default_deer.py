@@ -6,7 +6,10 @@ three stages, each saved as a drafter folder (rerunning skips finished stages):
 0. Masked-diffusion pretraining on the standard library (the demo model's training split, the
    embedded tokenizer plus a mask and a boundary token). The drafter is a 2-layer copy of the
    embedded model's own first layers (``init_from_target=True``, Dream's AR initialisation,
-   shifted predictions), block-causal (it keeps a prefix KV cache at inference).
+   shifted predictions: the first drafted token comes from the anchor's causal slot, exactly as
+   the AR layers predict), block-causal (it keeps a prefix KV cache at inference). No boundary
+   token by default: in a block-causal drafter the masks themselves mark where the block starts
+   (``--boundary_token`` adds DEER's [SEP]).
 1. DEER stage I on the base model's own greedy answers (``hf-paralleldecode regenerate``):
    continuation distillation, the masked continuation after a random truncation point.
 2. DEER stage II on the same answers: the R tokens after the prefix, exponentially decaying weights.
@@ -69,12 +72,15 @@ def main():
     parser.add_argument("--export_dir", default=None)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--block_size", type=int, default=32)
+    parser.add_argument("--boundary_token", action="store_true", help=(
+        "put DEER's [SEP] between the prefix and the masks (off: with shifted predictions the first drafted token "
+        "then comes from the anchor's causal slot, the AR-initialised layers' own next-token prediction)"))
     parser.add_argument("--spans", type=int, nargs="+", default=[4, 8, 16, 32])
     parser.add_argument("--batch_size", type=int, default=8)
     parser.add_argument("--max_anchors", type=int, default=8)
     parser.add_argument("--seq_len", type=int, default=256)
     parser.add_argument("--text_tokens", type=int, default=3_000_000)
-    parser.add_argument("--steps", type=int, nargs=3, default=[1500, 600, 400], help="stage 0, I, II")
+    parser.add_argument("--steps", type=int, nargs=3, default=[1000, 400, 300], help="stage 0, I, II")
     parser.add_argument("--lr", type=float, nargs=3, default=[1e-3, 5e-4, 2e-4])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
@@ -99,8 +105,8 @@ def main():
         if drafter is None:
             torch.manual_seed(args.seed)
             drafter = hfpd.DiffusionDrafter.for_target(
-                target, num_hidden_layers=args.layers, block_size=args.block_size, shifted=True, boundary_token=True,
-                init_from_target=True, tokenizer=tokenizer)
+                target, num_hidden_layers=args.layers, block_size=args.block_size, shifted=True,
+                boundary_token=args.boundary_token, init_from_target=True, tokenizer=tokenizer)
         if stage == 0:
             data = text_dataset(tokenizer, args.seq_len, args.text_tokens)
         else:
