@@ -1,6 +1,6 @@
 """``hf-paralleldecode``: demo, benchmarks, training data, training and an environment report.
 
-    hf-paralleldecode demo [--drafter default-jetspec]   # embedded model: AR vs every strategy it can run
+    hf-paralleldecode demo [--drafter default-jetspec|default-deer]   # embedded model: AR vs every strategy
     hf-paralleldecode bench --strategies jacobi:block_size=16 transformers_prompt_lookup --max-new-tokens 128
     hf-paralleldecode sweep --decoding jacobi_forcing --grid block_size=4,8 pool_size=0,4
     hf-paralleldecode collect --prompts P.jsonl --output-dir D      # Jacobi trajectories (CLLM / Jacobi Forcing)
@@ -69,13 +69,13 @@ def _load(args):
         name = f"{EMBEDDED_MODELS[args.model]} (embedded)" if args.model in EMBEDDED_MODELS else str(args.model)
     model = model.to(device=device, dtype=dtype).eval()
     if getattr(args, "drafter", None):
-        from .drafters.head import DraftHead
+        from .decoding.speculative import load_drafter
         from .integration import attach_drafter
 
         try:
-            head = DraftHead.from_pretrained(args.drafter, use_safetensors=True)
+            head = load_drafter(args.drafter)
         except Exception as err:  # noqa: BLE001 - any loading failure is a bad --drafter, reported with its cause
-            raise ValueError(f"Could not load a draft head from --drafter {args.drafter!r}: {err}") from err
+            raise ValueError(f"Could not load a drafter from --drafter {args.drafter!r}: {err}") from err
         attach_drafter(model, head.to(device=device, dtype=dtype).eval())
         name += f" + {args.drafter}"
     return model, tokenizer, name
@@ -96,8 +96,9 @@ def _add_model_args(p):
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--drafter", default=None,
-                   help="a draft head (folder, Hub id, or the shipped default-jetspec / default-dflash) attached to "
-                        "the model: decoding='speculative' and dflash_transformers use it unless given drafter=")
+                   help="a draft head or diffusion drafter (folder, Hub id, or the shipped default-jetspec / "
+                        "default-dflash / default-deer) attached to the model: decoding='speculative' (and "
+                        "dflash_transformers, for a block head) use it unless given drafter=")
 
 
 def _prompts(args, default_count):

@@ -104,6 +104,20 @@ def test_more_denoising_steps_stay_exact_and_cost_one_drafter_forward_each(small
     assert out.stats["drafter_forwards_per_step"] == steps and out.stats["denoise_steps"] == steps
 
 
+def test_denoise_steps_at_generate_time_override_the_drafter_and_heads_refuse_it(small_vocab):
+    ids, mask = small_prompts()
+    drafter = drafter_for(small_vocab, block_size=4)
+    out = small_vocab.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False,
+                               decoding="speculative", drafter=drafter, denoise_steps=3, return_dict_in_generate=True)
+    assert out.stats["denoise_steps"] == 3 and out.stats["drafter_forwards_per_step"] == 3
+    assert torch.equal(out.sequences, small_vocab.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20,
+                                                           do_sample=False))
+    head = hfpd.DraftHead.for_target(small_vocab, block_size=4)
+    with pytest.raises(ValueError, match="Drop denoise_steps"):
+        small_vocab.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, decoding="speculative",
+                             drafter=head, denoise_steps=2)
+
+
 def test_depth_sets_the_masks_fed_and_stats_report_acceptance(small_vocab):
     ids, mask = small_prompts(1)
     drafter = drafter_for(small_vocab, "block_causal", block_size=8)
@@ -244,6 +258,8 @@ def _no_forward(*models):
     (dict(tree_depth=5), "exceeds the diffusion drafter's block_size=4"),
     (dict(tree_waves=2), "Drop tree_waves"),
     (dict(tree_budget=0), "tree_budget"),
+    (dict(denoise_steps=0), "denoise_steps"),
+    (dict(denoise_steps=3, tree_depth=2), "exceeds the block of 2 masks"),
 ])
 def test_bad_settings_raise_before_any_forward(settings, match):
     model = hfpd.enable(tiny_model("llama"))

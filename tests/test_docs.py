@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
-PAGES = ["getting-started.md", "methods/jacobi.md", "methods/lookahead.md", "methods/jacobi_forcing.md", "methods/speculative.md",
+PAGES = ["getting-started.md", "methods/jacobi.md", "methods/lookahead.md", "methods/jacobi_forcing.md", "methods/speculative.md", "methods/deer.md",
          "methods/prompt_lookup.md", "training.md",
          "tree-budgets.md", "hardware.md"]
 

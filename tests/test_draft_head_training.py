@@ -56,7 +56,7 @@ def test_training_forward_drafts_what_the_inference_drafter_drafts(kind, tmp_pat
                     drafter=head, tree_budget=4, tree_width=1, tree_depth=4)
     monkeypatch.setattr(DraftHead, "logits", orig)
     if kind == "block_bidirectional":
-        drafted = calls[0][0, 1:]  # [4, V]: depths 1..4 from the MASK slots
+        drafted = calls[0][0]  # [4, V]: depths 1..4 from the MASK slots
     else:
         drafted = torch.cat([c[:1] for c in calls[:4]])  # wave d: the query under the chain's depth-(d-1) node
     # training: one anchor at the first generated token; the block's real tokens are the drafted chain

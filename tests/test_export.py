@@ -55,14 +55,14 @@ def test_transformers_export_runs_in_stock_dflash_generation_with_the_same_draft
                           speculation_type="dflash", decoding="stock")
     assert torch.equal(out, ref)
 
-    propose = spec_module.DraftHeadProposer.propose
+    propose = spec_module.DraftProposer.propose
 
     def record_ours(self):
         tree = propose(self)
         ours.append(tree.tokens[0, 1 : int(tree.num_nodes[0])].tolist())
         return tree
 
-    monkeypatch.setattr(spec_module.DraftHeadProposer, "propose", record_ours)
+    monkeypatch.setattr(spec_module.DraftProposer, "propose", record_ours)
     out = target.generate(input_ids=ids, max_new_tokens=24, do_sample=False, decoding="speculative", drafter=head,
                           tree_width=1, tree_budget=4)
     assert torch.equal(out, ref)

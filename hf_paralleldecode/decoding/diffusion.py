@@ -39,7 +39,7 @@ class DiffusionSource:
 
     kind = "marginals"
 
-    def __init__(self, run, drafter, vocab: int, depth: int | None = None):
+    def __init__(self, run, drafter, vocab: int, depth: int | None = None, steps: int | None = None):
         self.run, self.drafter, self.vocab = run, drafter, vocab
         c = drafter.config
         self.causal = c.attention == "block_causal"
@@ -48,7 +48,7 @@ class DiffusionSource:
         self.block = torch.tensor(drafter.block_ids(depth), dtype=torch.long, device=device)  # [L]
         self.query = drafter.query_index(depth).to(device)  # [k] into [anchor] + block
         self.first_mask = 1 + (c.boundary_token_id is not None)  # index of mask 1 in [anchor] + block
-        self.steps = min(c.denoise_steps, depth)
+        self.steps = min(steps or c.denoise_steps, depth)
         self.forwards, self.seconds = 0, 0.0
         self.fed_tokens = 0  # drafter input slots, summed over forwards (the bidirectional cost)
         if self.causal:

@@ -65,8 +65,10 @@ __all__ = ["speculative"]
 
 
 def _check_tree(tree_budget, tree_width, tree_depth, tree_waves, context_matches=0, context_tokens=10,
-                context_ngram_size=3):
+                context_ngram_size=3, denoise_steps=None):
     check_context_settings(context_matches, context_tokens, context_ngram_size, None, False)
+    if denoise_steps is not None:
+        check_int_setting("denoise_steps", denoise_steps, 1)
     if tree_budget is not None:  # None: the device preset (hardware_preset), filled in before the run
         check_int_setting("tree_budget", tree_budget, 1)
     check_int_setting("tree_width", tree_width, 1)
@@ -110,7 +112,7 @@ def load_drafter(drafter, **kwargs):
         raise ValueError(f"Could not load a {kind.__name__} from drafter={str(drafter)!r}: {err}") from err
 
 
-def _check_settings(model, drafter, tree_budget, tree_width, tree_depth, tree_waves):
+def _check_settings(model, drafter, tree_budget, tree_width, tree_depth, tree_waves, denoise_steps=None):
     from ..drafters.diffusion import DiffusionDrafter
 
     if drafter is None:
@@ -121,9 +123,15 @@ def _check_settings(model, drafter, tree_budget, tree_width, tree_depth, tree_wa
         )
     drafter = load_drafter(drafter)
     drafter.check_target(model)
-    _check_tree(tree_budget, tree_width, tree_depth, tree_waves)
+    _check_tree(tree_budget, tree_width, tree_depth, tree_waves, denoise_steps=denoise_steps)
     depth = drafter.config.block_size if tree_depth is None else tree_depth
     diffusion = isinstance(drafter, DiffusionDrafter)
+    if denoise_steps is not None and not diffusion:
+        raise ValueError("denoise_steps sets a diffusion drafter's denoising forwards per draft; a draft head drafts "
+                         "in one pass. Drop denoise_steps.")
+    if denoise_steps is not None and denoise_steps > min(depth, drafter.config.block_size):
+        raise ValueError(f"denoise_steps={denoise_steps} exceeds the block of {min(depth, drafter.config.block_size)} "
+                         "masks: each step unmasks at least one position. Lower denoise_steps.")
     kind = "diffusion drafter" if diffusion else f"{drafter.config.attention} head"
     if tree_waves is not None and (diffusion or drafter.config.attention != "tree_causal"):
         raise ValueError(
@@ -463,6 +471,7 @@ def speculative(
     tree_width: int = 8,
     tree_depth: int | None = None,
     tree_waves: int | None = None,
+    denoise_steps: int | None = None,
     context_matches: int = 0,
     context_tokens: int = 10,
     context_ngram_size: int = 3,
@@ -498,12 +507,15 @@ def speculative(
             any tree; rejection sampling needs every child drawn from ``q``).
         context_tokens: tokens of each context continuation.
         context_ngram_size: longest suffix looked up in the context.
+        denoise_steps: diffusion drafters only: denoising forwards per draft (default: the drafter's
+            ``denoise_steps``, 1 = DEER's one step); each further step unmasks the most confident
+            remaining positions.
         pd_streamer (BaseStreamer | None): see :func:`hf_paralleldecode.jacobi`.
     """
     check_context_settings(context_matches, context_tokens, context_ngram_size, None, False)
     preset, resolved = preset_settings(model, "speculative", tree_budget=tree_budget)
     tree_budget = resolved["tree_budget"]
-    drafter, depth = _check_settings(model, drafter, tree_budget, tree_width, tree_depth, tree_waves)
+    drafter, depth = _check_settings(model, drafter, tree_budget, tree_width, tree_depth, tree_waves, denoise_steps)
     if drafter.device != model.device or drafter.dtype != model.dtype:
         drafter.to(device=model.device, dtype=model.dtype)
     vocab = target_vocab_size(model)
@@ -511,10 +523,11 @@ def speculative(
                     context_tokens=context_tokens, context_ngram_size=context_ngram_size, hardware_preset=preset)
     if isinstance(drafter, DiffusionDrafter):
         c = drafter.config
-        settings.update(drafter="diffusion", diffusion_attention=c.attention, denoise_steps=c.denoise_steps,
+        steps = denoise_steps or min(c.denoise_steps, depth)
+        settings.update(drafter="diffusion", diffusion_attention=c.attention, denoise_steps=steps,
                         block_size=c.block_size)
         taps = contextlib.nullcontext()
-        make_source = lambda run, _: DiffusionSource(run, drafter, vocab, depth)  # noqa: E731
+        make_source = lambda run, _: DiffusionSource(run, drafter, vocab, depth, steps)  # noqa: E731
     else:
         drafter.bind(model)
         settings.update(drafter="head", head=drafter.config.attention)
