@@ -234,6 +234,19 @@ def draft_acceptance(accepted_lengths: list[list[int]]) -> dict:
                 acceptance_by_depth=[reached[d] / reached[d - 1] for d in range(1, longest) if reached[d - 1]])
 
 
+def _draft_summary(draft: dict | None) -> dict:
+    """Over every prompt of the last repeat: :func:`draft_acceptance`, and what one drafter forward cost
+    (milliseconds, and for diffusion drafters the input slots it was fed)."""
+    if draft is None:
+        return {}
+    out = draft_acceptance(draft["accepted"])
+    if draft["forwards"]:
+        out["drafter_ms_per_forward"] = 1e3 * draft["seconds"] / draft["forwards"]
+        if draft["tokens"]:
+            out["drafter_tokens_per_forward"] = draft["tokens"] / draft["forwards"]
+    return out
+
+
 def _generate_kwargs(model, spec: StrategySpec | None) -> dict:
     if spec is None:  # AR: stock generate, even if the checkpoint carries decoding defaults
         return dict(decoding=STOCK)
@@ -255,7 +268,7 @@ def _one_run(model, enc, spec: StrategySpec | None, max_new_tokens: int, timer: 
     prompt_len = enc["input_ids"].shape[1]
     pad = model.generation_config.pad_token_id
     eos = model.generation_config.eos_token_id
-    resolved = {}
+    resolved, stats, ours = {}, {}, False
     timer.reset()
     sync()
     t0 = time.perf_counter()
@@ -279,8 +292,10 @@ def _one_run(model, enc, spec: StrategySpec | None, max_new_tokens: int, timer: 
             params = inspect.signature(get_decoding(kwargs["decoding"])).parameters
             resolved = {k: v for k, v in out.stats.items() if k in params and isinstance(v, (bool, int, float, str))}
             stats, out = out.stats, out.sequences
-            if "accepted_lengths" in stats:
-                resolved["_draft"] = draft_acceptance(stats["accepted_lengths"])
+            if "accepted_lengths" in stats:  # learned drafters: summed over the prompts by run_benchmark
+                forwards = stats.get("drafter_forwards_per_step", 0) * len(stats["accepted_lengths"])
+                draft = dict(accepted=stats["accepted_lengths"], seconds=stats.get("drafter_seconds", 0.0),
+                             forwards=forwards, tokens=stats.get("drafter_tokens_per_forward", 0.0) * forwards)
         gen = out[:, prompt_len:]
         # a row finished early leaves our strategies' forwards; stock greedy keeps computing every row
         row_forwards = stats["row_forwards"] if ours else gen.shape[0] * timer.count
@@ -297,6 +312,7 @@ def _one_run(model, enc, spec: StrategySpec | None, max_new_tokens: int, timer: 
         forward_seconds=timer.seconds,
         generated=gen.cpu(),
         resolved=resolved,
+        draft=draft if ours and "accepted_lengths" in stats else None,
     )
 
 
@@ -343,12 +359,14 @@ def run_benchmark(
     totals = {lab: [] for lab in labels}
     matches = {lab: [0, 0] for lab in labels}
     resolved = {lab: {} for lab in labels}
+    drafts = {lab: None for lab in labels}  # learned drafters: accepted lengths and drafter cost of the last repeat
     try:
         for enc in encoded:  # warm-up, untimed
             for spec in entries:
                 _one_run(model, enc, spec, min(max_new_tokens, 8), timer)
         bar = tqdm(total=repeats * len(encoded) * len(entries), disable=not progress, desc="bench")
         for _ in range(repeats):
+            drafts = {lab: None for lab in labels}
             acc = {lab: dict(seconds=0.0, decode_seconds=0.0, tokens=0, decode_tokens=0, forwards=0,
                              forward_seconds=0.0, rows=0, row_forwards=0) for lab in labels}
             for enc in encoded:
@@ -363,6 +381,11 @@ def run_benchmark(
                     a["rows"] += rows
                     a["row_forwards"] += res["row_forwards"]
                     resolved[lab] = res["resolved"] or resolved[lab]
+                    if res["draft"] is not None:
+                        d = drafts[lab] = drafts[lab] or dict(accepted=[], seconds=0.0, forwards=0, tokens=0.0)
+                        d["accepted"] += res["draft"]["accepted"]
+                        for key in ("seconds", "forwards", "tokens"):
+                            d[key] += res["draft"][key]
                     if spec is None:
                         ar_generated = res["generated"]
                     else:
@@ -397,9 +420,9 @@ def run_benchmark(
             settings={k: v if isinstance(v, (bool, int, float, str, type(None))) else type(v).__name__
                       for k, v in (spec.settings if spec else {}).items()},
             sequential_rows=_row_by_row(spec, batch_size),
-            resolved_settings={k: v for k, v in resolved[lab].items() if k != "_draft"},
-            # learned drafters: tau, the longest accepted block, conditional acceptance by depth (last repeat)
-            **resolved[lab].get("_draft", {}),
+            resolved_settings=resolved[lab],
+            # learned drafters: tau, the longest accepted block, conditional acceptance by depth, drafter cost
+            **_draft_summary(drafts[lab]),
             tpf=med(r["tokens"] / max(r["row_forwards"], 1) for r in runs),
             tokens_per_second=med(r["tokens"] / r["seconds"] for r in runs),
             decode_tokens_per_second=med(r["decode_tokens"] / r["decode_seconds"] for r in runs),

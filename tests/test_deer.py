@@ -546,3 +546,20 @@ def test_kl_objective_distils_the_target(tmp_path):
                                         train_dataset=datasets.Dataset.from_list(_rows(4)))
     trainer.train()
     assert trainer.state.log_history[0]["loss"] > 0
+
+
+def test_the_shipped_drafter_loads_by_alias_and_belongs_to_the_embedded_model():
+    target, tokenizer = hfpd.load_default_model()
+    drafter = DiffusionDrafter.from_pretrained("default-deer")
+    c = drafter.config
+    assert (c.attention, c.shifted, c.target_vocab_size) == ("block_causal", True, 8192)
+    drafter.check_target(target)  # vocabulary and tokenizer fingerprint (read next to the embedded model)
+    drafter.check_target(target, tokenizer=tokenizer)
+    with pytest.raises(ValueError, match="vocabulary"):
+        drafter.check_target(tiny_model("llama"))
+    inputs = tokenizer(["import os\n\n\ndef walk(top):\n", "class Stack:\n    def push(self, item):\n"],
+                       return_tensors="pt", padding=True, padding_side="left")
+    ref = target.generate(**inputs, max_new_tokens=32, do_sample=False)
+    out = target.generate(**inputs, max_new_tokens=32, do_sample=False, decoding="speculative", drafter="default-deer",
+                          tree_depth=8, tree_width=1, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, ref) and out.stats["tau"] > 1.5  # an aligned drafter gets blocks accepted

@@ -435,7 +435,7 @@ class DiffusionDrafter(nn.Module):
         A Hub repo id is fetched with ``huggingface_hub.snapshot_download``. ``trust_remote_code`` is
         passed to transformers only when you set it (LLaDA / Dream checkpoints need it).
         """
-        from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
+        from transformers import AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM
 
         if isinstance(path, str) and path in EMBEDDED_DRAFTERS:
             path = Path(__file__).resolve().parent.parent / "assets" / EMBEDDED_DRAFTERS[path]
@@ -449,7 +449,11 @@ class DiffusionDrafter(nn.Module):
         if not spec.is_file():
             raise ValueError(f"{folder} holds no {DRAFTER_CONFIG_NAME}: it is not a DiffusionDrafter folder.")
         config = DiffusionDrafterConfig(**json.loads(spec.read_text()))
-        auto = AutoModelForCausalLM if config.attention == "block_causal" else AutoModelForMaskedLM
+        model_config = folder / "config.json"
+        arch = (json.loads(model_config.read_text()).get("architectures") or [""])[0] if model_config.is_file() else ""
+        # the saved class decides: a decoder (block_causal, or wrapped bidirectionally), a masked LM, else AutoModel
+        auto = AutoModelForCausalLM if arch.endswith("ForCausalLM") else \
+            AutoModelForMaskedLM if arch.endswith("ForMaskedLM") else AutoModel
         kwargs.setdefault("use_safetensors", True)
         kwargs.setdefault("attn_implementation", "sdpa")
         model = auto.from_pretrained(folder, trust_remote_code=trust_remote_code, **kwargs)

@@ -22,6 +22,13 @@ for k in ${STAGE_DEPTHS:-4 8 16}; do
   strategies+=("speculative:drafter=$STAGES/stage0,tree_depth=$k,tree_width=1"
                "speculative:drafter=$STAGES/stage1,tree_depth=$k,tree_width=1")
 done
+# denoise_steps=2 (a second forward refines the block); the cost of a drafter without a prefix cache: the stage-0
+# weights wrapped as attention=bidirectional (a copy of the folder with that setting): its acceptance means
+# nothing (trained block-causal), its drafter_tokens_per_forward and seconds are what no cache costs
+strategies+=("speculative:drafter=$DEER,tree_depth=8,tree_width=1,denoise_steps=2")
+if [[ -d $STAGES/costprobe_bidirectional ]]; then
+  strategies+=("speculative:drafter=$STAGES/costprobe_bidirectional,tree_depth=8,tree_width=1")
+fi
 strategies+=("speculative:drafter=$DEER,tree_depth=8,tree_width=4,tree_budget=16"
              "speculative:drafter=$DEER,tree_depth=8,tree_width=1,context_matches=2,context_tokens=6"
              "speculative:drafter=default-jetspec,tree_depth=8,tree_width=1"

@@ -28,13 +28,15 @@ def main():
     report = json.loads(open(args.report).read())
     res = report["results"]
     peer = res.get("transformers_prompt_lookup")
-    print("| entry | tau | max block | TPF | tok/s | vs PL | vs AR | exact |\n|---|---|---|---|---|---|---|---|")
+    print("| entry | tau | max block | TPF | tok/s | vs PL | vs AR | exact | drafter ms / fwd | drafter tokens / fwd |\n"
+          "|---|---|---|---|---|---|---|---|---|---|")
     for name, r in res.items():
         vs_pl = r["tokens_per_second"] / peer["tokens_per_second"] if peer else float("nan")
         tau = f"{r['tau']:.2f}" if "tau" in r else "-"
         longest = str(r.get("max_accepted_length", "-"))
         print(f"| {label(name)} | {tau} | {longest} | {r['tpf']:.2f} | {r['tokens_per_second']:.1f} | "
-              f"{vs_pl:.2f}x | {r['speedup_vs_ar']:.2f}x | {r['exact_match_vs_ar']:.0%} |")
+              f"{vs_pl:.2f}x | {r['speedup_vs_ar']:.2f}x | {r['exact_match_vs_ar']:.0%} | "
+              f"{r.get('drafter_ms_per_forward', float('nan')):.2f} | {r.get('drafter_tokens_per_forward', float('nan')):.1f} |")
     if args.chart:
         import matplotlib
 
