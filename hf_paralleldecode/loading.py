@@ -89,7 +89,9 @@ def load_model(
             (Path(pretrained) / BUNDLE_DRAFTER_DIR).is_dir():
         drafter = Path(pretrained) / BUNDLE_DRAFTER_DIR  # a bundle whose config does not name its head
     if drafter is not None:
-        head = _load_drafter(drafter, hub_kwargs)
+        from .decoding.speculative import load_drafter
+
+        head = load_drafter(drafter, **hub_kwargs)
         head.to(device=model.device, dtype=model.dtype)
         attach_drafter(model, head)
         if config is None:
@@ -105,12 +107,6 @@ def _resolve_drafter_path(pretrained, drafter: str):
     if Path(pretrained).is_dir():
         return local if local.is_dir() else drafter
     return (str(pretrained), drafter)  # a Hub bundle: (repo id, subfolder)
-
-
-def _load_drafter(drafter, hub_kwargs):
-    from .decoding.speculative import load_drafter
-
-    return load_drafter(drafter, **hub_kwargs)
 
 
 def load_tokenizer(path, **kwargs):

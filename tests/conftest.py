@@ -15,3 +15,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def small_vocab():
+    """An 8-token model (tests/models.py ``small_prompts`` feeds it): random drafters get many drafts accepted."""
+    from models import tiny_model
+
+    import hf_paralleldecode as hfpd
+
+    return hfpd.enable(tiny_model("qwen3", vocab_size=8))

@@ -150,3 +150,10 @@ def saved_model_and_prompts(root, prompts: list[str]):
     path = root / "prompts.jsonl"
     path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
     return root / "model", path
+
+
+def small_prompts(batch: int = 3):
+    """:func:`prompts` mapped into tokens 3..7, for an 8-token model where random drafters get many drafts
+    accepted (so whole branches and long blocks are exercised)."""
+    ids, mask = prompts(batch)
+    return torch.where(mask.bool(), ids % 5 + 3, 0), mask

@@ -8,8 +8,9 @@ import json
 import datasets
 import pytest
 import torch
-from models import ARCHITECTURES, EOS, ForwardRecorder, enabled, prompts, reference, tiny_model
+from models import ARCHITECTURES, EOS, ForwardRecorder, enabled, prompts, reference, small_prompts, tiny_model
 from test_sampling import chi_square_two_sample, outcomes
+from test_speculative import fake_hub
 from transformers import BertConfig, BertForMaskedLM
 
 import hf_paralleldecode as hfpd
@@ -56,17 +57,6 @@ def test_other_architectures_match_stock_greedy(arch, attention):
     out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False,
                          decoding="speculative", drafter=drafter_for(model, attention, shifted=True), tree_budget=8)
     torch.testing.assert_close(out, reference(arch, 3, 24), rtol=0, atol=0)
-
-
-@pytest.fixture(scope="module")
-def small_vocab():
-    """An 8-token model: random drafters get many drafts accepted, so long blocks are exercised."""
-    return hfpd.enable(tiny_model("qwen3", vocab_size=8))
-
-
-def small_prompts(batch=3):
-    ids, mask = prompts(batch)
-    return torch.where(mask.bool(), ids % 5 + 3, 0), mask
 
 
 @pytest.mark.parametrize("attention", ATTENTIONS)
@@ -412,6 +402,15 @@ def test_save_load_round_trip_folder_string_and_bundle(tmp_path):
                                ref, rtol=0, atol=0)
     with pytest.raises(ValueError, match="not a DiffusionDrafter folder"):
         DiffusionDrafter.from_pretrained(tmp_path / "target")
+
+
+def test_push_to_hub_uploads_the_drafter_its_config_and_its_card(monkeypatch):
+    uploaded = fake_hub(monkeypatch)
+    drafter_for(tiny_model("llama"), boundary_token=True).push_to_hub("me/deer")
+    assert uploaded["repo"] == "me/deer"
+    assert {"config.json", "model.safetensors", "diffusion_drafter.json", "README.md"} <= set(uploaded)
+    assert b"DEER diffusion drafter" in uploaded["README.md"]
+    assert json.loads(uploaded["diffusion_drafter.json"])["boundary_token_id"] == 98
 
 
 # ---- the alignment trainer ----------------------------------------------------------------------------

@@ -4,7 +4,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from models import ARCHITECTURES, EOS, ForwardRecorder, RecordingStreamer, enabled, prompts, reference, tiny_model
+from models import (
+    ARCHITECTURES,
+    EOS,
+    ForwardRecorder,
+    RecordingStreamer,
+    enabled,
+    prompts,
+    reference,
+    small_prompts,
+    tiny_model,
+)
 from test_sampling import chi_square_two_sample, outcomes
 
 import hf_paralleldecode as hfpd
@@ -56,17 +66,6 @@ def test_other_architectures_match_stock_greedy(arch, kind):
     out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False,
                          decoding="speculative", drafter=head_for(model, kind), tree_budget=16)
     torch.testing.assert_close(out, reference(arch, 3, 24), rtol=0, atol=0)
-
-
-@pytest.fixture(scope="module")
-def small_vocab():
-    """An 8-token model: random heads get many drafts accepted, so whole branches are exercised."""
-    return hfpd.enable(tiny_model("qwen3", vocab_size=8))
-
-
-def small_prompts(batch=3):
-    ids, mask = prompts(batch)
-    return torch.where(mask.bool(), ids % 5 + 3, 0), mask
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -307,13 +306,15 @@ def test_config_names_the_drafter_outside_settings():
     assert hfpd.ParallelDecodingConfig("speculative", drafter="org/head").drafter == "org/head"
 
 
-def test_push_to_hub_uploads_the_head_its_config_and_its_card(monkeypatch, tmp_path):
+def fake_hub(monkeypatch) -> dict:
+    """HfApi without a network: ``create_repo`` succeeds, ``upload_folder`` records the files (and the repo)."""
     import huggingface_hub
 
     uploaded = {}
 
     class FakeRepo:
-        repo_id = "me/head"
+        def __init__(self, repo_id):
+            self.repo_id = repo_id
 
     def upload_folder(self, folder_path, repo_id, **kwargs):
         from pathlib import Path
@@ -321,8 +322,13 @@ def test_push_to_hub_uploads_the_head_its_config_and_its_card(monkeypatch, tmp_p
         uploaded.update({p.name: p.read_bytes() for p in Path(folder_path).iterdir()}, repo=repo_id)
         return "ok"
 
-    monkeypatch.setattr(huggingface_hub.HfApi, "create_repo", lambda self, repo_id, **kw: FakeRepo())
+    monkeypatch.setattr(huggingface_hub.HfApi, "create_repo", lambda self, repo_id, **kw: FakeRepo(repo_id))
     monkeypatch.setattr(huggingface_hub.HfApi, "upload_folder", upload_folder)
+    return uploaded
+
+
+def test_push_to_hub_uploads_the_head_its_config_and_its_card(monkeypatch, tmp_path):
+    uploaded = fake_hub(monkeypatch)
     head_for(tiny_model("llama"), "block_bidirectional").push_to_hub("me/head")
     assert uploaded["repo"] == "me/head"
     assert {"config.json", "model.safetensors", "README.md"} <= set(uploaded)

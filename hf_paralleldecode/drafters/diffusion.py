@@ -251,6 +251,7 @@ class DiffusionDrafter(nn.Module):
             raise ValueError(f"Cannot tell how many vocabulary rows {type(model).__name__}'s logits have (no output "
                              "embedding, no config.vocab_size): pass vocab_size=.")
         self._rows = int(rows)
+        self._takes_logits_to_keep = None  # read from the wrapped forward's signature on first use
         for name in ("mask_token_id", "boundary_token_id"):
             value = getattr(config, name)
             if value is not None and value >= rows:
@@ -347,17 +348,15 @@ class DiffusionDrafter(nn.Module):
         elif self.config.attention == "block_causal":
             extra["use_cache"] = False
         keep = kwargs.pop("logits_to_keep", None)
+        if keep is not None and self._takes_logits_to_keep is None:
+            import inspect
+
+            self._takes_logits_to_keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
         if keep is not None and self._takes_logits_to_keep:
             extra["logits_to_keep"] = keep
             keep = None
         logits = self.model(input_ids=input_ids, attention_mask=attention_mask, **extra, **kwargs).logits
         return logits if keep is None else logits[:, -keep:]
-
-    @property
-    def _takes_logits_to_keep(self) -> bool:
-        import inspect
-
-        return "logits_to_keep" in inspect.signature(self.model.forward).parameters
 
     # ---- building -----------------------------------------------------------------------------
     @classmethod
@@ -473,17 +472,9 @@ class DiffusionDrafter(nn.Module):
     def push_to_hub(self, repo_id: str, commit_message: str = "Upload diffusion drafter", private: bool | None = None,
                     token=None, revision: str | None = None, **kwargs) -> str:
         """Upload what :meth:`save_pretrained` writes to ``repo_id``."""
-        import tempfile
+        from .head import upload_saved
 
-        from huggingface_hub import HfApi
-
-        api = HfApi(token=token)
-        repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
-        with tempfile.TemporaryDirectory() as tmp:
-            self.save_pretrained(tmp)
-            info = api.upload_folder(folder_path=tmp, repo_id=repo_id, commit_message=commit_message,
-                                     revision=revision, **kwargs)
-        return str(info)
+        return upload_saved(self, repo_id, commit_message, private, token, revision, **kwargs)
 
     def model_card(self) -> str:
         c = self.config

@@ -63,6 +63,22 @@ def default_target_layer_ids(num_target_layers: int, count: int) -> list[int]:
     return sorted({round(lo + i * (hi - lo) / (count - 1)) for i in range(count)})
 
 
+def upload_saved(drafter, repo_id: str, commit_message: str, private: bool | None = None, token=None,
+                 revision: str | None = None, **kwargs) -> str:
+    """Create ``repo_id`` if needed and upload what ``drafter.save_pretrained`` writes (weights, config, card)."""
+    import tempfile
+
+    from huggingface_hub import HfApi
+
+    api = HfApi(token=token)
+    repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
+    with tempfile.TemporaryDirectory() as tmp:
+        drafter.save_pretrained(tmp)
+        info = api.upload_folder(folder_path=tmp, repo_id=repo_id, commit_message=commit_message,
+                                 revision=revision, **kwargs)
+    return str(info)
+
+
 class DraftHeadConfig(PretrainedConfig):
     """Configuration of a :class:`DraftHead` and of the target it was built for.
 
@@ -318,17 +334,7 @@ class DraftHead(PreTrainedModel):
 
         (The stock ``push_to_hub`` would replace the card with a generic one.)
         """
-        import tempfile
-
-        from huggingface_hub import HfApi
-
-        api = HfApi(token=token)
-        repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
-        with tempfile.TemporaryDirectory() as tmp:
-            self.save_pretrained(tmp)
-            info = api.upload_folder(folder_path=tmp, repo_id=repo_id, commit_message=commit_message,
-                                     revision=revision, **kwargs)
-        return str(info)
+        return upload_saved(self, repo_id, commit_message, private, token, revision, **kwargs)
 
     def model_card(self) -> str:
         c = self.config

@@ -34,13 +34,13 @@ gradient accumulation). Only the drafter trains; ``save_model`` writes the draft
 
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
-from transformers import Trainer, TrainingArguments
+from transformers import TrainingArguments
 
 from ..decoding.cache import additive_mask
+from .draft_head import DrafterTrainer
 from .losses import DISTILLATION_OBJECTIVES, diffusion_alignment_loss, position_weights
 from .trajectories import check_token_ids
 
@@ -222,10 +222,8 @@ def alignment_logits(drafter, input_ids, attention_mask, anchors, block, vocab: 
     return out.reshape(B, A, L, -1)[..., :vocab]
 
 
-class DiffusionAlignmentTrainer(Trainer):
+class DiffusionAlignmentTrainer(DrafterTrainer):
     """Trains a :class:`~hf_paralleldecode.DiffusionDrafter` (``model``); ``target_model`` only for KL objectives."""
-
-    loss_is_scaled_for_ga = True
 
     def __init__(self, model=None, args=None, target_model=None, data_collator=None, **kwargs):
         from ..drafters.diffusion import DiffusionDrafter, target_vocab_size
@@ -254,15 +252,6 @@ class DiffusionAlignmentTrainer(Trainer):
         super().__init__(model=model, args=args, data_collator=data_collator, **kwargs)
         self.target = target_model.to(self.args.device).eval().requires_grad_(False) if target_model is not None \
             else None
-        self._metrics = defaultdict(list)
-
-    def _get_num_items_in_batch(self, batch_samples, device):
-        if not batch_samples:
-            return None
-        total = sum(b["weights"].sum() for b in batch_samples).to(device)
-        if self.args.world_size > 1:
-            total = self.accelerator.gather(total[None]).sum()
-        return total
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         drafter = self.accelerator.unwrap_model(model)
@@ -286,14 +275,8 @@ class DiffusionAlignmentTrainer(Trainer):
             first = w[..., 0] > 0
             if bool(first.any()):
                 self._metrics["first_token_accuracy"].append(float(hit[..., 0][first].mean()))
-        if num_items_in_batch is not None and self.args.world_size > 1:
-            loss = loss * self.accelerator.num_processes  # the DDP gradient mean divides it back out
+        loss = self._across_processes(loss, num_items_in_batch)
         return (loss, {"logits": logits}) if return_outputs else loss
-
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        logs.update({k: round(sum(v) / len(v), 4) for k, v in self._metrics.items() if v})
-        self._metrics.clear()
-        super().log(logs, start_time)
 
     def _save(self, output_dir: str | None = None, state_dict=None):
         output_dir = output_dir or self.args.output_dir

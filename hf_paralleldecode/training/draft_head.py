@@ -143,10 +143,39 @@ def block_layout(kind: str, block_size: int, anchors: torch.Tensor, tokens: torc
     return ids.reshape(B, A * S), pos.reshape(B, A * S), intra, query
 
 
-class DraftHeadDistillationTrainer(Trainer):
-    """Trains a :class:`~hf_paralleldecode.DraftHead` (``model``) against a frozen ``target_model``."""
+class DrafterTrainer(Trainer):
+    """What the drafter trainers share: the loss is a sum of weighted positions divided by the total weight of
+    the optimizer step (all micro-batches and processes, handed over as ``num_items_in_batch``), and metrics
+    gathered in ``compute_loss`` are averaged into each log line."""
 
     loss_is_scaled_for_ga = True
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._metrics = defaultdict(list)
+
+    def _get_num_items_in_batch(self, batch_samples, device):
+        if not batch_samples:
+            return None
+        total = sum(b["weights"].sum() for b in batch_samples).to(device)
+        if self.args.world_size > 1:
+            total = self.accelerator.gather(total[None]).sum()
+        return total
+
+    def _across_processes(self, loss, num_items_in_batch):
+        """Under DDP the gradient all-reduce takes a mean: multiply by the processes to keep the global sum."""
+        if num_items_in_batch is not None and self.args.world_size > 1:
+            return loss * self.accelerator.num_processes
+        return loss
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        logs.update({k: round(sum(v) / len(v), 4) for k, v in self._metrics.items() if v})
+        self._metrics.clear()
+        super().log(logs, start_time)
+
+
+class DraftHeadDistillationTrainer(DrafterTrainer):
+    """Trains a :class:`~hf_paralleldecode.DraftHead` (``model``) against a frozen ``target_model``."""
 
     def __init__(self, model=None, args=None, target_model=None, data_collator=None, **kwargs):
         if target_model is None:
@@ -165,15 +194,6 @@ class DraftHeadDistillationTrainer(Trainer):
         self.target = target_model.to(self.args.device).eval().requires_grad_(False)
         self.accelerator.unwrap_model(self.model).bind(self.target)
         self._taps = HiddenStateTaps(self.target, model.config.target_layer_ids)
-        self._metrics = defaultdict(list)
-
-    def _get_num_items_in_batch(self, batch_samples, device):
-        if not batch_samples:
-            return None
-        total = sum(b["weights"].sum() for b in batch_samples).to(device)
-        if self.args.world_size > 1:
-            total = self.accelerator.gather(total[None]).sum()
-        return total
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         head = self.accelerator.unwrap_model(model)
@@ -228,14 +248,8 @@ class DraftHeadDistillationTrainer(Trainer):
                                       use_reentrant=False)
                 loss, agree = loss + l_i, agree + a_i
         self._metrics["draft_agreement"].append(float(agree / w.sum().clamp(min=1e-12)))
-        if num_items_in_batch is not None and self.args.world_size > 1:
-            loss = loss * self.accelerator.num_processes  # the DDP gradient mean divides it back out
+        loss = self._across_processes(loss, num_items_in_batch)
         if not return_outputs:
             return loss
         with torch.no_grad():  # the counted positions' draft logits, in (row, anchor, depth) order
             return loss, {"student": head.logits(hidden), "draft_agreement": agree.detach()}
-
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        logs.update({k: round(sum(v) / len(v), 4) for k, v in self._metrics.items() if v})
-        self._metrics.clear()
-        super().log(logs, start_time)
