@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["GpuSpec", "GPU_SPECS", "DEFAULT_MODEL", "knee_tokens", "hardware_preset", "preset_name",
-           "device_preset", "preset_settings"]
+           "device_preset", "preset_settings", "cpu_has_native_bf16"]
 
 
 @dataclass(frozen=True)
@@ -95,7 +95,7 @@ def _settings_for_width(width: float) -> dict[str, dict]:
                            "context_matches": 0, "context_tokens": 10},
         "lookahead": {"window_size": window, "ngram_size": ngram, "guess_set_size": window, "context_matches": 2},
         "prompt_lookup": {"tree_budget": _pow2_floor(width, 8, 64), "max_matches": 4, "num_tokens": 10},
-        "speculative": {"tree_budget": _pow2_floor(width, 16, 256)},
+        "speculative": {"tree_budget": _pow2_floor(width, 16, 256), "drafter_dtype": "target"},
     }
 
 
@@ -107,8 +107,18 @@ def _cpu_preset() -> dict[str, dict]:
         "jacobi_forcing": dict(CPU_DEFAULTS),
         "lookahead": {"window_size": 5, "ngram_size": 4, "guess_set_size": 5, "context_matches": 2},
         "prompt_lookup": {"tree_budget": 32, "max_matches": 4, "num_tokens": 10},
-        "speculative": {"tree_budget": 16},
+        "speculative": {"tree_budget": 16, "drafter_dtype": "bfloat16" if cpu_has_native_bf16() else "target"},
     }
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 matrices natively (AVX512-BF16 or AMX): a drafter forward then reads half
+    the bytes of an fp32 one at full speed; without them bf16 is emulated and slower than fp32."""
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    try:
+        return any(bool(getattr(torch.cpu, name)()) for name in probes if hasattr(torch.cpu, name))
+    except Exception:  # noqa: BLE001 - a private probe that changed: assume no native bf16
+        return False
 
 
 def _capability(device_or_capability) -> tuple[int, int] | None:

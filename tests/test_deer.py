@@ -49,6 +49,19 @@ def test_matches_stock_greedy(batch, attention, convention, budget, width):
     torch.testing.assert_close(out, reference("llama", batch, 24), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_drafter_dtype_sets_the_drafters_dtype_and_output_stays_exact(attention, dtype):
+    model = enabled("llama")
+    ids, mask = prompts(3)
+    drafter = drafter_for(model, attention, shifted=True)
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False, tree_budget=8,
+                         decoding="speculative", drafter=drafter, drafter_dtype=dtype, return_dict_in_generate=True)
+    torch.testing.assert_close(out.sequences, reference("llama", 3, 24), rtol=0, atol=0)
+    assert str(drafter.dtype) == f"torch.{dtype}" and out.stats["drafter_dtype"] == dtype
+    assert out.stats["drafter_forwards_per_step"] == 1
+
+
 @pytest.mark.parametrize("attention", ATTENTIONS)
 @pytest.mark.parametrize("arch", [a for a in ARCHITECTURES if a != "llama"])
 def test_other_architectures_match_stock_greedy(arch, attention):
@@ -137,6 +150,7 @@ def _recorded_marginals(model, drafter, ids, mask, **kw):
 
     diffusion_module.DiffusionSource.marginals = marginals
     try:
+        kw.setdefault("drafter_dtype", "target")  # the comparisons below are fp32 to fp32
         model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False, eos_token_id=None,
                        decoding="speculative", drafter=drafter, **kw)
     finally:

@@ -174,6 +174,9 @@ def _no_forward(model):
         (dict(tree_budget=2.5), "tree_budget"),
         (dict(tree_waves=0), "tree_waves"),
         (dict(tree_waves=1.5), "tree_waves"),
+        (dict(drafter_dtype="int8"), "drafter_dtype"),
+        (dict(drafter_dtype=torch.int64), "drafter_dtype"),
+        (dict(drafter_dtype="fp32"), "drafter_dtype"),
     ],
 )
 def test_bad_settings_raise_before_any_forward(settings, match):
@@ -363,3 +366,54 @@ def test_drafter_given_as_a_folder_and_a_bundle_whose_config_does_not_name_it(tm
     bundle = hfpd.load_model(tmp_path)
     out = bundle.generate(**gen, return_dict_in_generate=True)
     assert out.decoding == "speculative" and out.stats["tau"] >= 1 and torch.equal(out.sequences, ref)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", torch.float16, "float32", "target"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_drafter_dtype_runs_the_head_in_that_dtype_and_output_stays_exact(kind, dtype):
+    from hf_paralleldecode.decoding.speculative import DRAFTER_DTYPES
+
+    model = enabled("llama")
+    ids, mask = prompts(3)
+    head = head_for(model, kind)
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False, tree_budget=8,
+                         decoding="speculative", drafter=head, drafter_dtype=dtype, return_dict_in_generate=True)
+    torch.testing.assert_close(out.sequences, reference("llama", 3, 24), rtol=0, atol=0)
+    want = model.dtype if dtype == "target" else DRAFTER_DTYPES.get(dtype, dtype)
+    assert head.dtype == want and out.stats["drafter_dtype"] == str(want).removeprefix("torch.")
+    assert out.stats["tau"] >= 1
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_cpu_preset_runs_drafters_in_bf16_only_on_cpus_with_native_bf16(monkeypatch, native):
+    from hf_paralleldecode import hardware
+
+    monkeypatch.setattr(hardware, "cpu_has_native_bf16", lambda: native)
+    assert hfpd.hardware_preset("cpu")["speculative"]["drafter_dtype"] == ("bfloat16" if native else "target")
+    for cc in [(8, 0), (9, 0), (12, 0)]:  # GPUs: the target's dtype (bf16 models there already)
+        assert hfpd.hardware_preset(cc)["speculative"]["drafter_dtype"] == "target"
+    model = enabled("llama")
+    ids, mask = prompts(2)
+    head = head_for(model, "block_bidirectional")
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=16, do_sample=False,
+                         decoding="speculative", drafter=head, return_dict_in_generate=True)
+    assert out.stats["drafter_dtype"] == ("bfloat16" if native else "float32")
+    assert torch.equal(out.sequences, reference("llama", 2, 16))
+    with pytest.raises(ValueError, match="drafter_dtype"):
+        hfpd.ParallelDecodingConfig("speculative", {"drafter_dtype": "fp8"})
+
+
+def test_a_drafter_named_by_folder_is_loaded_once_until_its_files_change(tmp_path):
+    import os
+
+    from hf_paralleldecode.decoding.speculative import load_drafter
+
+    target = tiny_model("llama")
+    head_for(target, "block_bidirectional").save_pretrained(tmp_path / "head")
+    first = load_drafter(str(tmp_path / "head"))
+    assert load_drafter(str(tmp_path / "head")) is first and load_drafter(tmp_path / "head") is first
+    weights = next((tmp_path / "head").glob("*.safetensors"))
+    stat = weights.stat()
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # rewritten on disk
+    assert load_drafter(str(tmp_path / "head")) is not first
+    assert load_drafter("default-deer") is load_drafter("default-deer")

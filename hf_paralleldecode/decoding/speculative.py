@@ -64,9 +64,29 @@ from .tree import PackedTree, tree_from_parents
 __all__ = ["speculative"]
 
 
+DRAFTER_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def check_drafter_dtype(drafter_dtype) -> None:
+    """``None`` (the preset's), ``"target"``, a name of :data:`DRAFTER_DTYPES` or one of its dtypes."""
+    if drafter_dtype is None or drafter_dtype == "target" or drafter_dtype in DRAFTER_DTYPES or \
+            drafter_dtype in DRAFTER_DTYPES.values():
+        return
+    raise ValueError(f"drafter_dtype must be 'target' (the model's dtype), one of {sorted(DRAFTER_DTYPES)} or the "
+                     f"torch dtype of one, got {drafter_dtype!r}.")
+
+
+def drafter_run_dtype(drafter_dtype, model) -> torch.dtype:
+    """The dtype a drafter runs in for a (checked, preset-filled) ``drafter_dtype``."""
+    if drafter_dtype is None or drafter_dtype == "target":
+        return model.dtype
+    return DRAFTER_DTYPES.get(drafter_dtype, drafter_dtype)
+
+
 def _check_tree(tree_budget, tree_width, tree_depth, tree_waves, context_matches=0, context_tokens=10,
-                context_ngram_size=3, denoise_steps=None):
+                context_ngram_size=3, denoise_steps=None, drafter_dtype=None):
     check_context_settings(context_matches, context_tokens, context_ngram_size, None, False)
+    check_drafter_dtype(drafter_dtype)
     if denoise_steps is not None:
         check_int_setting("denoise_steps", denoise_steps, 1)
     if tree_budget is not None:  # None: the device preset (hardware_preset), filled in before the run
@@ -96,6 +116,9 @@ def load_drafter(drafter, **kwargs):
             f"`drafter` must be a hf_paralleldecode.DraftHead or DiffusionDrafter (or the folder / repo id of one), "
             f"got {type(drafter).__name__}."
         )
+    key = _loaded_key(drafter, kwargs)
+    if key is not None and key in _LOADED:
+        return _LOADED[key]
     diffusion = str(drafter) in EMBEDDED_DRAFTERS or (Path(drafter) / DRAFTER_CONFIG_NAME).is_file()
     if not diffusion and not Path(drafter).exists():
         try:
@@ -106,10 +129,34 @@ def load_drafter(drafter, **kwargs):
             diffusion = False
     kind = DiffusionDrafter if diffusion else DraftHead
     try:
-        return kind.from_pretrained(drafter, **kwargs) if diffusion else \
+        loaded = kind.from_pretrained(drafter, **kwargs) if diffusion else \
             DraftHead.from_pretrained(drafter, use_safetensors=True, **kwargs)
     except Exception as err:  # noqa: BLE001 - any loading failure is a bad setting, reported with its cause
         raise ValueError(f"Could not load a {kind.__name__} from drafter={str(drafter)!r}: {err}") from err
+    if key is not None:
+        _LOADED[key] = loaded
+    return loaded
+
+
+#: drafters loaded from a local folder or a shipped alias, by folder and the folder's file times: a
+#: ``generate(drafter="default-deer")`` in a loop loads it once, and a folder rewritten on disk loads again
+_LOADED: dict = {}
+
+
+def _loaded_key(drafter, kwargs) -> tuple | None:
+    from pathlib import Path
+
+    from ..drafters.diffusion import EMBEDDED_DRAFTERS
+    from ..drafters.head import EMBEDDED_HEADS
+
+    assets = Path(__file__).resolve().parent.parent / "assets"
+    name = str(drafter)
+    folder = assets / EMBEDDED_DRAFTERS[name] if name in EMBEDDED_DRAFTERS else \
+        assets / EMBEDDED_HEADS[name] if name in EMBEDDED_HEADS else Path(drafter)
+    if kwargs or not folder.is_dir():
+        return None  # Hub ids and loading options: loaded as asked, every time
+    files = sorted(p for p in folder.rglob("*") if p.is_file())
+    return str(folder.resolve()), tuple((str(p), p.stat().st_mtime_ns, p.stat().st_size) for p in files)
 
 
 def _check_settings(model, drafter, tree_budget, tree_width, tree_depth, tree_waves, denoise_steps=None):
@@ -475,6 +522,7 @@ def speculative(
     context_matches: int = 0,
     context_tokens: int = 10,
     context_ngram_size: int = 3,
+    drafter_dtype=None,
     pd_streamer=None,
     **model_kwargs,
 ):
@@ -510,17 +558,25 @@ def speculative(
         denoise_steps: diffusion drafters only: denoising forwards per draft (default: the drafter's
             ``denoise_steps``, 1 = DEER's one step); each further step unmasks the most confident
             remaining positions.
+        drafter_dtype: the dtype the drafter runs in (``"bfloat16"``, ``"float16"``, ``"float32"``, a
+            ``torch.dtype``, or ``"target"``: the model's); the drafter is cast to it in place. The draft
+            only proposes, so the output does not depend on it (greedy stays exact). Default: the device
+            preset's: ``"bfloat16"`` on CPUs with native bf16 matrix units (AVX512-BF16 / AMX), where a
+            drafter forward costs about half of an fp32 one, else ``"target"``.
         pd_streamer (BaseStreamer | None): see :func:`hf_paralleldecode.jacobi`.
     """
     check_context_settings(context_matches, context_tokens, context_ngram_size, None, False)
-    preset, resolved = preset_settings(model, "speculative", tree_budget=tree_budget)
+    check_drafter_dtype(drafter_dtype)
+    preset, resolved = preset_settings(model, "speculative", tree_budget=tree_budget, drafter_dtype=drafter_dtype)
     tree_budget = resolved["tree_budget"]
     drafter, depth = _check_settings(model, drafter, tree_budget, tree_width, tree_depth, tree_waves, denoise_steps)
-    if drafter.device != model.device or drafter.dtype != model.dtype:
-        drafter.to(device=model.device, dtype=model.dtype)
+    dtype = drafter_run_dtype(resolved["drafter_dtype"], model)
+    if drafter.device != model.device or drafter.dtype != dtype:
+        drafter.to(device=model.device, dtype=dtype)
     vocab = target_vocab_size(model)
     settings = dict(tree_budget=tree_budget, tree_width=tree_width, tree_depth=depth, context_matches=context_matches,
-                    context_tokens=context_tokens, context_ngram_size=context_ngram_size, hardware_preset=preset)
+                    context_tokens=context_tokens, context_ngram_size=context_ngram_size, hardware_preset=preset,
+                    drafter_dtype=str(dtype).removeprefix("torch."))
     if isinstance(drafter, DiffusionDrafter):
         c = drafter.config
         steps = denoise_steps or min(c.denoise_steps, depth)

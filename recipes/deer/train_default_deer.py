@@ -20,6 +20,13 @@ to 32 (``tree_depth``). Reproduce (2 CPU cores; the regenerated answers as in re
     python recipes/demo_model/make_prompts.py --split train --num_prompts 1600 --per_file 4 --out runs/deer/train_prompts.jsonl
     hf-paralleldecode regenerate --model default --prompts runs/deer/train_prompts.jsonl --output-dir runs/deer/regen --max-new-tokens 96
     python recipes/deer/train_default_deer.py --work_dir runs/deer --export_dir hf_paralleldecode/assets/stdlib-coder-8m-deer
+
+The Jacobi Forcing model's drafter (shipped inside that checkpoint, ``drafter/``) shares stage 0 and is aligned
+to the Jacobi Forcing model's own answers:
+
+    hf-paralleldecode regenerate --model default-trained --prompts runs/deer/train_prompts.jsonl --output-dir runs/deer_jf/regen --max-new-tokens 96
+    python recipes/deer/train_default_deer.py --target default-trained --stage0 runs/deer/stage0 --work_dir runs/deer_jf \
+        --export_dir hf_paralleldecode/assets/stdlib-coder-8m-jacobi-forcing/drafter
 """
 
 from __future__ import annotations
@@ -51,7 +58,7 @@ def run_stage(stage, drafter, target, dataset, out_dir: Path, args, steps: int, 
         learning_rate=lr, lr_scheduler_type="cosine", warmup_steps=min(50, steps // 10), weight_decay=0.0,
         max_anchors=args.max_anchors, span_lengths=args.spans, logging_steps=25, save_steps=200, save_total_limit=1,
         use_cpu=True, report_to="none", seed=args.seed, dataloader_num_workers=0,
-        base_model_name_or_path="stdlib-coder-8m",
+        base_model_name_or_path=args.target_name,
     )
     trainer = DiffusionAlignmentTrainer(model=drafter.train(), args=config, train_dataset=dataset)
     t0 = time.time()
@@ -84,17 +91,25 @@ def main():
     parser.add_argument("--lr", type=float, nargs=3, default=[1e-3, 5e-4, 2e-4])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--target", default="default", help=(
+        "the embedded model the drafter is aligned to: 'default' (the base model) or 'default-trained' (the Jacobi "
+        "Forcing model; its stages I and II then read that model's own answers, --regen)"))
+    parser.add_argument("--stage0", default=None, help=(
+        "a finished stage-0 drafter folder to start stage I from (stage 0 is text pretraining: it does not depend "
+        "on the target's answers, so the base model's stage 0 serves the Jacobi Forcing model's drafter too)"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
     import hf_paralleldecode as hfpd
     from hf_paralleldecode.drafters.diffusion import DRAFTER_CONFIG_NAME
+    from hf_paralleldecode.loading import EMBEDDED_MODELS
     from hf_paralleldecode.training import load_regenerated
 
-    target, tokenizer = hfpd.load_default_model()
+    target, tokenizer = hfpd.load_default_model(args.target)
+    args.target_name = EMBEDDED_MODELS[args.target]
     work = Path(args.work_dir)
     reports = []
-    stages = [(0, work / "stage0"), (1, work / "stage1"), (2, work / "stage2")]
+    stages = [(0, Path(args.stage0) if args.stage0 else work / "stage0"), (1, work / "stage1"), (2, work / "stage2")]
     drafter = None
     for (stage, out), steps, lr in zip(stages, args.steps, args.lr):
         if (out / DRAFTER_CONFIG_NAME).is_file():
@@ -117,10 +132,10 @@ def main():
         print(json.dumps(report), flush=True)
     if args.export_dir:
         export = Path(args.export_dir)
-        drafter.config.target_name_or_path = "stdlib-coder-8m"
+        drafter.config.target_name_or_path = args.target_name
         drafter.save_pretrained(export)
         (export / "training_report.json").write_text(json.dumps(dict(
-            recipe="recipes/deer/train_default_deer.py", layers=args.layers, block_size=args.block_size,
+            recipe="recipes/deer/train_default_deer.py", target=args.target_name, layers=args.layers, block_size=args.block_size,
             spans=args.spans, batch_size=args.batch_size, max_anchors=args.max_anchors, stages=reports), indent=2) + "\n")
         print(f"exported to {export}")
 
