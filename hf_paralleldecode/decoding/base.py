@@ -163,9 +163,14 @@ class DecodeRun:
         :func:`~.verify.verify_tree`'s. Returns its :class:`~.verify.Verdict`.
         """
         # greedy with nothing that reads the values (processors, output scores / logits): argmax in the model's dtype
-        fp32 = bool(self.generation_config.do_sample or self.logits_processor or self.log.scores is not None
-                    or self.log.logits is not None or tree.q is not None)
-        logits = self.target.forward(tree, self.slots, self.next_positions(), self.rows, fp32=fp32)
+        values = bool(self.generation_config.do_sample or self.logits_processor or self.log.scores is not None
+                      or self.log.logits is not None or tree.q is not None)
+        if not values:  # greedy: the target's choices, never the [active, nodes, vocab] logits
+            choices = self.target.greedy(tree, self.slots, self.next_positions(), self.rows)
+            verdict = verify_tree(tree, None, False, choices=choices)
+            self.commit(verdict)
+            return verdict
+        logits = self.target.forward(tree, self.slots, self.next_positions(), self.rows)
         scores = self.process(logits, tree)
         verdict = verify_tree(tree, scores, bool(self.generation_config.do_sample), tree.q)
         self.commit(verdict, scores, logits)
@@ -176,19 +181,17 @@ class DecodeRun:
         verdict = self.step(tree)
         return verdict.choices, verdict.num_accepted
 
-    def commit(self, verdict: Verdict, scores: torch.Tensor, logits: torch.Tensor) -> None:
-        """Commit the accepted path's tokens + bonus (``num + 1`` per row) and keep the path's KV."""
+    def commit(self, verdict: Verdict, scores: torch.Tensor | None = None, logits: torch.Tensor | None = None) -> None:
+        """Commit the accepted path's tokens + bonus (``num + 1`` per row) and keep the path's KV (``scores`` /
+        ``logits``: the step's, needed only when the output returns them)."""
         path, num = verdict.path, verdict.num_accepted
         idx = path.clamp(min=0)  # [active, depth + 1]; entries past num are ignored
-        vocab_idx = idx[..., None].expand(-1, -1, scores.shape[-1])
-        self.log.add(
-            self.rows,
-            verdict.tokens,
-            num + 1,
-            scores.gather(1, vocab_idx) if self.log.scores is not None else None,
-            logits.gather(1, vocab_idx) if self.log.logits is not None else None,
-        )
-        keep = torch.zeros(scores.shape[:2], dtype=torch.bool, device=path.device)
+        kept = {}
+        for name, values in (("scores", scores), ("logits", logits)):
+            if getattr(self.log, name) is not None:
+                kept[name] = values.gather(1, idx[..., None].expand(-1, -1, values.shape[-1]))
+        self.log.add(self.rows, verdict.tokens, num + 1, kept.get("scores"), kept.get("logits"))
+        keep = torch.zeros(verdict.choices.shape[:2], dtype=torch.bool, device=path.device)
         keep.scatter_(1, idx, path >= 0)
         keep[:, 0] = True  # the root (the last committed token) always gets its KV
         self.slots.commit(keep)

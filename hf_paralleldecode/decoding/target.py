@@ -16,13 +16,17 @@ What it deliberately does not know
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import time
+import weakref
 
 import torch
 from torch import nn
 
-__all__ = ["TargetForward", "HiddenStateTaps", "decoder_layers"]
+from .verify import greedy_argmax
+
+__all__ = ["TargetForward", "HiddenStateTaps", "GreedyHead", "decoder_layers"]
 
 
 def decoder_layers(model) -> nn.ModuleList:
@@ -129,6 +133,34 @@ class TargetForward:
         )
         return logits[:, -1].float().to(input_ids.device)
 
+    def greedy(self, tree, slots, first_positions: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """:meth:`forward` for a greedy step that reads nothing but the argmax: the target's choice at every node,
+        ``[active, nodes]``, without materialising ``[active, nodes, vocab]`` logits.
+
+        The model's LM head is fed an empty slice during the forward (a pre-hook keeps its input, the final
+        hidden states), then applied here chunk by chunk, each chunk's logits argmax-ed while they are in cache
+        (:class:`GreedyHead`). Whether a model's logits are exactly ``lm_head(final hidden)`` (no soft cap, no
+        scale after the head) is checked on its first such step, which runs the plain forward; models that fail
+        keep it. The head's time counts as the forward's.
+        """
+        head = GreedyHead.of(self.model)
+        if head is None or not head.checked:
+            with contextlib.ExitStack() as stack:
+                if head is not None:
+                    stack.enter_context(head.capture(compute=True))
+                logits = self.forward(tree, slots, first_positions, rows, fp32=False)
+            if head is not None:
+                head.check(logits)
+            return greedy_argmax(logits)
+        with head.capture(compute=False):
+            self.forward(tree, slots, first_positions, rows, fp32=False)
+        t0 = time.perf_counter()
+        choices = head.argmax()
+        if self._cuda:
+            torch.cuda.synchronize(self.model.device)
+        self.seconds += time.perf_counter() - t0
+        return choices.to(tree.tokens.device)
+
     def forward(self, tree, slots, first_positions: torch.Tensor, rows: torch.Tensor | None = None,
                 fp32: bool = True) -> torch.Tensor:
         """One forward of ``tree`` after each row's committed slots; logits ``[active, nodes, vocab]``, in fp32
@@ -146,3 +178,69 @@ class TargetForward:
             **({} if rows is None else {k: v.to(device) for k, v in self.step_inputs(rows, tree.tokens.shape).items()}),
         )
         return (logits.float() if fp32 else logits).to(tree.tokens.device)
+
+
+class GreedyHead:
+    """The argmax of a model's LM head over its final hidden states, in chunks that stay in cache (see
+    :meth:`TargetForward.greedy`); one per model, found by :meth:`of`."""
+
+    #: bytes of logits per chunk: a CPU chunk fits its L2 cache; a GPU chunk bounds the memory a wide batch needs
+    CHUNK_BYTES = {"cpu": 1 << 21, "cuda": 1 << 28}
+    _heads: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def __init__(self, model, lm_head: nn.Linear):
+        self.model = weakref.ref(model)
+        self.lm_head = lm_head
+        self.checked = False  # logits == lm_head(hidden) seen on a real step
+        self.hidden = None
+
+    @classmethod
+    def of(cls, model) -> GreedyHead | None:
+        """The model's greedy head; ``None`` when its output embeddings are not a plain ``nn.Linear`` or its
+        first checked step showed logits other than ``lm_head(hidden)``."""
+        if model not in cls._heads:
+            lm_head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+            cls._heads[model] = cls(model, lm_head) if type(lm_head) is nn.Linear else None
+        return cls._heads[model]
+
+    @contextlib.contextmanager
+    def capture(self, compute: bool):
+        """During the block the LM head keeps its input (once); with ``compute=False`` it computes nothing
+        (an empty slice), :meth:`argmax` does it afterwards."""
+        calls = []
+
+        def keep(module, args):
+            calls.append(args[0])
+            return None if compute else (args[0][..., :0, :],) + tuple(args[1:])
+
+        handle = self.lm_head.register_forward_pre_hook(keep)
+        try:
+            yield self
+        finally:
+            handle.remove()
+        self.hidden = calls[0] if len(calls) == 1 else None
+
+    def check(self, logits: torch.Tensor) -> None:
+        """Keep this head for the model only if ``logits`` (the forward's own) equal ``lm_head(hidden)``."""
+        hidden, self.hidden = self.hidden, None
+        with torch.no_grad():
+            ok = hidden is not None and hidden.shape[:-1] == logits.shape[:-1] and \
+                torch.equal(self.lm_head(hidden).to(logits.device), logits)
+        self.checked = ok
+        model = self.model()
+        if not ok and model is not None:
+            GreedyHead._heads[model] = None
+
+    def argmax(self) -> torch.Tensor:
+        """``[*hidden.shape[:-1]]`` argmax of ``lm_head(hidden)`` of the last capture, a chunk of positions at a time."""
+        hidden, self.hidden = self.hidden, None
+        if hidden is None:
+            raise RuntimeError("The LM head was not called exactly once in the forward: nothing to take the argmax of.")
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        vocab = self.lm_head.weight.shape[0]
+        per_chunk = max(1, self.CHUNK_BYTES.get(flat.device.type, 1 << 28) // (vocab * flat.element_size()))
+        out = torch.empty(flat.shape[0], dtype=torch.long, device=flat.device)
+        with torch.no_grad():
+            for start in range(0, flat.shape[0], per_chunk):
+                out[start: start + per_chunk] = greedy_argmax(self.lm_head(flat[start: start + per_chunk]))
+        return out.reshape(hidden.shape[:-1])

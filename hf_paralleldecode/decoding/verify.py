@@ -48,6 +48,32 @@ from dataclasses import dataclass
 
 import torch
 
+
+def greedy_argmax(scores: torch.Tensor, block: int = 64) -> torch.Tensor:
+    """``scores.argmax(-1)``, the same indices (first maximum; a NaN counts as the maximum), faster on CPUs.
+
+    torch's CPU argmax over a long last dimension runs at a fraction of the memory bandwidth, while
+    ``amax`` is vectorised: the maximum of each ``block`` of the vocabulary picks the first block that
+    holds the row's maximum, and an argmax inside that block finishes (5 to 6x faster for vocabularies
+    of 8k to 150k on this project's CPU). Small vocabularies and other devices take ``argmax``.
+    """
+    vocab = scores.shape[-1]
+    if scores.device.type != "cpu" or vocab < 4 * block or not scores.is_floating_point():
+        return scores.argmax(-1)
+    lead = scores.shape[:-1]
+    flat = scores.reshape(-1, vocab)
+    main = vocab - vocab % block
+    blocks = flat[:, :main].reshape(flat.shape[0], main // block, block)
+    block_max = blocks.amax(-1)  # [n, blocks]
+    which = block_max.argmax(-1)  # first block holding the row's maximum (or its first NaN)
+    index = which * block + blocks[torch.arange(flat.shape[0], device=flat.device), which].argmax(-1)
+    if main < vocab:  # the tail past the last whole block: it wins only with a strictly larger value (or a NaN)
+        best = block_max.gather(1, which[:, None]).squeeze(1)
+        tail_max, tail_index = flat[:, main:].max(-1)
+        wins = (tail_max > best) | (tail_max.isnan() & ~best.isnan())
+        index = torch.where(wins, tail_index + main, index)
+    return index.reshape(lead)
+
 __all__ = ["Verdict", "verify_tree", "walk_tree", "rejection_walk", "match_prefix", "residual"]
 
 
@@ -196,12 +222,18 @@ def _walk_on_host(tree, choices: torch.Tensor) -> Verdict:
                    tokens=torch.tensor(committed, device=device), choices=choices)
 
 
-def verify_tree(tree, scores: torch.Tensor, do_sample: bool, q: torch.Tensor | None = None) -> Verdict:
+def verify_tree(tree, scores: torch.Tensor | None, do_sample: bool, q: torch.Tensor | None = None,
+                choices: torch.Tensor | None = None) -> Verdict:
     """Apply the rule that fits (greedy / sample-then-match / rejection sampling) to one packed tree.
 
     ``scores`` ``[batch, nodes, vocab]`` are the target's processed scores; ``q`` the drafter's
-    probabilities (sampling only; ignored when greedy, where acceptance is exact match).
+    probabilities (sampling only; ignored when greedy, where acceptance is exact match). A greedy
+    step may pass the target's ``choices`` ``[batch, nodes]`` (its argmax) instead of ``scores``.
     """
+    if choices is not None:
+        if do_sample:
+            raise ValueError("verify_tree: choices stand for a greedy step's scores; sampling needs the scores.")
+        scores = None
     if do_sample and q is not None:
         probs = torch.softmax(scores, dim=-1)
         path, num, nxt = rejection_walk(tree, probs, q)
@@ -210,8 +242,8 @@ def verify_tree(tree, scores: torch.Tensor, do_sample: bool, q: torch.Tensor | N
         if do_sample:
             probs = torch.softmax(scores, dim=-1)  # [batch, nodes, vocab]
             choices = torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1).reshape(probs.shape[:2])
-        else:
-            choices = scores.argmax(-1)  # [batch, nodes]
+        elif choices is None:
+            choices = greedy_argmax(scores)  # [batch, nodes]
         if not tree.is_chain and choices.numel() <= HOST_WALK_NODES:
             return _walk_on_host(tree, choices)
         path, num = walk_tree(tree, choices)
