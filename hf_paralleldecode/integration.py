@@ -76,6 +76,8 @@ class ParallelDecodingMixin:
             defaults = {}
         else:
             defaults.pop("decoding", None)
+        if kwargs.get("drafter") is not None and pd_config is not None and pd_config.drafter is not None:
+            defaults = {}  # the checkpoint's settings were chosen for its own drafter, not for the one given here
         if decoding is None:
             return super().generate(*args, **kwargs)
         strategy = get_decoding(decoding)

@@ -84,17 +84,40 @@ def test_llama_export_of_the_trained_qwen2_layout_is_exact():
         assert torch.equal(qwen(input_ids=ids).logits, llama(input_ids=ids).logits)
 
 
-def test_trained_embedded_model_loads_with_its_decoding_config_and_is_lossless():
-    model, tokenizer = hfpd.load_default_model("default-trained")
+@pytest.mark.parametrize("name, drafter_target", [("default", "stdlib-coder-8m"),
+                                                   ("default-trained", "stdlib-coder-8m-jacobi-forcing")])
+def test_embedded_models_load_with_their_drafter_and_decoding_config_and_are_lossless(name, drafter_target):
+    """Both embedded checkpoints default to their fastest measured strategy (issue 11): DEER speculative decoding
+    with a drafter aligned to that model (the base model names the shipped alias, the Jacobi Forcing model bundles
+    its own in drafter/), composed with context n-grams."""
+    from hf_paralleldecode import DiffusionDrafter
+    from hf_paralleldecode.integration import attached_drafter
+
+    model, tokenizer = hfpd.load_default_model(name)
     config = model.parallel_decoding_config
-    assert config.decoding == "jacobi_forcing" and config.base_model_name_or_path == "stdlib-coder-8m"
+    assert config.decoding == "speculative" and config.settings["context_matches"] == 2
+    drafter = attached_drafter(model)
+    assert isinstance(drafter, DiffusionDrafter) and drafter.config.target_name_or_path == drafter_target
+    prompts = load_prompts(hfpd.default_model_path().parent / "prompts" / "stdlib_test.jsonl")[:3]
+    tokenizer.padding_side = "left"
+    batch = tokenizer(prompts, return_tensors="pt", padding=True)
+    out = model.generate(**batch, max_new_tokens=48, return_dict_in_generate=True)  # its saved decoding
+    assert out.decoding == "speculative" and out.stats["tree_depth"] == config.settings["tree_depth"]
+    assert torch.equal(out.sequences, model.generate(**batch, max_new_tokens=48, do_sample=False, decoding="stock"))
+    assert out.tokens_per_forward > 2.5 and out.stats["tau"] > 2.5
+
+
+def test_trained_embedded_model_is_faster_with_jacobi_forcing_than_the_base_model():
+    """The consistency training itself (docs/training.md): its Jacobi Forcing TPF on held-out prompts."""
+    model, tokenizer = hfpd.load_default_model("default-trained")
+    assert model.parallel_decoding_config.base_model_name_or_path == "stdlib-coder-8m"
     report = json.loads((hfpd.default_model_path("default-trained") / "training_report.json").read_text())
     assert report["tpf_held_out"]["jacobi_forcing_n16_K2_pool4"]["trained"] > 2.0
     prompts = load_prompts(hfpd.default_model_path().parent / "prompts" / "stdlib_test.jsonl")[:3]
     tokenizer.padding_side = "left"
     batch = tokenizer(prompts, return_tensors="pt", padding=True)
-    out = model.generate(**batch, max_new_tokens=48, return_dict_in_generate=True)  # its saved decoding
-    assert out.decoding == "jacobi_forcing"
+    out = model.generate(**batch, max_new_tokens=48, return_dict_in_generate=True, decoding="jacobi_forcing",
+                         block_size=16, num_blocks=2, pool_size=0, context_matches=2, context_tokens=6)
     assert torch.equal(out.sequences, model.generate(**batch, max_new_tokens=48, do_sample=False, decoding="stock"))
     assert out.tokens_per_forward > 1.5  # consistency-trained: well above the base model's ~1.3
 

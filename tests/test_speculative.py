@@ -417,3 +417,19 @@ def test_a_drafter_named_by_folder_is_loaded_once_until_its_files_change(tmp_pat
     os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # rewritten on disk
     assert load_drafter(str(tmp_path / "head")) is not first
     assert load_drafter("default-deer") is load_drafter("default-deer")
+
+
+def test_checkpoint_settings_belong_to_its_drafter_not_to_one_passed_in_the_call():
+    model = enabled("qwen2")
+    ids, mask = prompts(2)
+    own, other = head_for(model, "block_bidirectional"), head_for(model, "tree_causal", seed=1)
+    from hf_paralleldecode.integration import attach_drafter
+
+    bundle = hfpd.enable(tiny_model("qwen2"))
+    attach_drafter(bundle, own)
+    bundle.parallel_decoding_config = hfpd.ParallelDecodingConfig("speculative", {"tree_budget": 3}, drafter="drafter")
+    gen = dict(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False, return_dict_in_generate=True)
+    assert bundle.generate(**gen).stats["tree_budget"] == 3  # its own drafter: its settings
+    out = bundle.generate(**gen, drafter=other)  # another drafter: the strategy's defaults (the preset)
+    assert out.stats["tree_budget"] == hfpd.hardware_preset("cpu")["speculative"]["tree_budget"]
+    assert out.stats["head"] == "tree_causal" and torch.equal(out.sequences, reference("qwen2", 2, 12))
