@@ -309,7 +309,8 @@ def _one_run(model, enc, spec: StrategySpec | None, max_new_tokens: int, timer: 
         tokens=tokens,
         forwards=timer.count,
         row_forwards=row_forwards,
-        forward_seconds=timer.seconds,
+        # the forward hooks time the model's own call; a greedy step applies the LM head after it (model work too)
+        forward_seconds=timer.seconds + (stats.get("greedy_head_seconds", 0.0) if ours else 0.0),
         generated=gen.cpu(),
         resolved=resolved,
         draft=draft if ours and "accepted_lengths" in stats else None,

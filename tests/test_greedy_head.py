@@ -105,3 +105,24 @@ def test_greedy_argmax_equals_argmax_with_ties_and_nans(vocab, dtype):
     x[2, 1] = 1.0  # all equal: index 0
     assert torch.equal(greedy_argmax(x), x.argmax(-1))
     assert greedy_argmax(x[0, 0]).shape == ()
+
+
+def test_the_greedy_heads_time_counts_as_model_time_in_stats_and_bench():
+    from hf_paralleldecode.bench import StrategySpec
+
+    model = enabled("llama")
+    ids, mask = prompts(3)
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=16, do_sample=False, decoding="jacobi",
+                         block_size=8, return_dict_in_generate=True)
+    assert 0 < out.stats["greedy_head_seconds"] < out.stats["model_seconds"] < out.stats["wall_seconds"]
+
+    from hf_paralleldecode.bench import _ForwardTimer, _one_run
+
+    timer = _ForwardTimer(model)
+    try:
+        run = _one_run(model, dict(input_ids=ids, attention_mask=mask), StrategySpec("jacobi", {"block_size": 8}), 16,
+                       timer)
+        hooked = timer.seconds  # the model's own forward calls only
+    finally:
+        timer.remove()
+    assert run["forward_seconds"] > hooked and run["forward_seconds"] < run["seconds"]

@@ -247,6 +247,7 @@ class DecodeRun:
             row_forwards=forwards,  # forwards summed over the rows that took part in them
             cache_compactions=self.slots.num_compactions,
             model_seconds=self.target.seconds,
+            greedy_head_seconds=self.target.head_seconds,  # the LM head applied after the forward (greedy steps)
             wall_seconds=time.perf_counter() - wall_start,
         )
         return ParallelDecodingOutput(

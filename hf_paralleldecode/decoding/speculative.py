@@ -522,7 +522,7 @@ def speculative(
     context_matches: int = 0,
     context_tokens: int = 10,
     context_ngram_size: int = 3,
-    drafter_dtype=None,
+    drafter_dtype: str | torch.dtype | None = None,
     pd_streamer=None,
     **model_kwargs,
 ):

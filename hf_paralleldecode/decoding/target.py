@@ -97,7 +97,8 @@ class TargetForward:
     def __init__(self, model):
         self.model = model
         self.num_forward_passes = 0
-        self.seconds = 0.0
+        self.seconds = 0.0  # forwards, the greedy head's work after them included
+        self.head_seconds = 0.0  # the greedy head's share (outside the model's own forward call)
         self._takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._cuda = model.device.type == "cuda"
         self.token_type_ids = None  # [batch, prompt_len] when given: new tokens repeat each row's last type
@@ -158,6 +159,7 @@ class TargetForward:
         choices = head.argmax()
         if self._cuda:
             torch.cuda.synchronize(self.model.device)
+        self.head_seconds += time.perf_counter() - t0
         self.seconds += time.perf_counter() - t0
         return choices.to(tree.tokens.device)
 

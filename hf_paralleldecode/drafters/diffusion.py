@@ -50,6 +50,7 @@ import hashlib
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -209,18 +210,25 @@ class DiffusionDrafter(nn.Module):
         model: the masked / diffusion LM (a ``transformers`` model, or any module whose forward takes
             ``input_ids`` and ``attention_mask`` and returns ``.logits``).
         mask_token_id: its mask token (default: ``model.config.mask_token_id``, then the tokenizer's).
-        block_size, attention, shifted, boundary_token_id, denoise_steps, context_window: see
-            :class:`DiffusionDrafterConfig`. ``attention`` defaults to ``"block_causal"`` for a stock
-            ``*ForCausalLM`` and ``"bidirectional"`` for anything else.
+        block_size: see :class:`DiffusionDrafterConfig` (as are the four below).
+        attention: defaults to ``"block_causal"`` for a stock ``*ForCausalLM`` and ``"bidirectional"``
+            for anything else.
+        shifted: see :class:`DiffusionDrafterConfig`.
+        boundary_token_id: see :class:`DiffusionDrafterConfig`.
+        denoise_steps: see :class:`DiffusionDrafterConfig`.
+        context_window: see :class:`DiffusionDrafterConfig`.
         tokenizer: the tokenizer it shares with the target (its fingerprint is recorded and checked).
+        target_name_or_path: the target it was made for, recorded in its config.
+        config: a whole :class:`DiffusionDrafterConfig` instead of the settings above.
         target_vocab_size: the target vocabulary size, when known.
         vocab_size: rows of the model's logits, for a model that has neither an output embedding nor a
             ``config.vocab_size``.
     """
 
-    def __init__(self, model, mask_token_id: int | None = None, block_size: int = 16, attention: str | None = None,
+    def __init__(self, model: nn.Module, mask_token_id: int | None = None, block_size: int = 16,
+                 attention: str | None = None,
                  shifted: bool = False, boundary_token_id: int | None = None, denoise_steps: int = 1,
-                 context_window: int | None = None, tokenizer=None, target_vocab_size: int | None = None,
+                 context_window: int | None = None, tokenizer: Any = None, target_vocab_size: int | None = None,
                  target_name_or_path: str | None = None, config: DiffusionDrafterConfig | None = None,
                  vocab_size: int | None = None):
         super().__init__()
