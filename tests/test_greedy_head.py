@@ -29,9 +29,10 @@ def _lm_head_rows(model):
 @pytest.mark.parametrize("settings", STRATEGIES, ids=lambda s: s["decoding"])
 @pytest.mark.parametrize("batch", [1, 3])
 def test_chunked_argmax_matches_stock_and_never_builds_every_nodes_logits(monkeypatch, batch, settings):
+    """Greedy steps whose logits span more than two chunks apply the head chunk by chunk, never to every node."""
     model = enabled("llama")
     vocab = model.get_output_embeddings().weight.shape[0]
-    monkeypatch.setitem(GreedyHead.CHUNK_BYTES, "cpu", 3 * vocab * 4)  # 3 positions per chunk
+    monkeypatch.setattr(GreedyHead, "_chunk_bytes", lambda self, device: 3 * vocab * 4)  # 3 positions per chunk
     ids, mask = prompts(batch)
     rows, handle = _lm_head_rows(model)
     try:
@@ -42,8 +43,11 @@ def test_chunked_argmax_matches_stock_and_never_builds_every_nodes_logits(monkey
     torch.testing.assert_close(out.sequences, reference("llama", batch, 24), rtol=0, atol=0)
     assert GreedyHead.of(model) is not None and GreedyHead.of(model).checked
     # the prefill feeds one position per row; the model's first greedy step (the check) feeds every node twice
-    # (its forward, the check); every other head call is a chunk of <= 3 positions or the forward's empty one
-    assert sum(r > 3 for r in rows) <= 2 and rows.count(0) >= out.num_forward_passes - 2
+    # (its forward, the check); every other head call is a chunk of <= 3 positions, the forward's empty one, or
+    # a step of at most two chunks' positions, which keeps the plain forward (worth_it)
+    assert sum(r > 6 for r in rows) <= 2
+    if settings["decoding"] != "prompt_lookup":  # trees of 9+ nodes per step: the chunked path ran
+        assert 0 in rows and rows.count(3) >= 3
 
 
 class NegatedLogitsLlama(transformers.LlamaForCausalLM):
@@ -107,10 +111,12 @@ def test_greedy_argmax_equals_argmax_with_ties_and_nans(vocab, dtype):
     assert greedy_argmax(x[0, 0]).shape == ()
 
 
-def test_the_greedy_heads_time_counts_as_model_time_in_stats_and_bench():
+def test_the_greedy_heads_time_counts_as_model_time_in_stats_and_bench(monkeypatch):
     from hf_paralleldecode.bench import StrategySpec
 
     model = enabled("llama")
+    vocab = model.get_output_embeddings().weight.shape[0]
+    monkeypatch.setattr(GreedyHead, "_chunk_bytes", lambda self, device: 3 * vocab * 4)  # the chunked path runs
     ids, mask = prompts(3)
     out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=16, do_sample=False, decoding="jacobi",
                          block_size=8, return_dict_in_generate=True)
@@ -126,3 +132,13 @@ def test_the_greedy_heads_time_counts_as_model_time_in_stats_and_bench():
     finally:
         timer.remove()
     assert run["forward_seconds"] > hooked and run["forward_seconds"] < run["seconds"]
+
+
+def test_small_steps_keep_the_plain_forward_and_chunks_cover_the_heads_weight():
+    model = enabled("llama")
+    head = GreedyHead.of(model)
+    weight = head.lm_head.weight
+    chunk = head._chunk_bytes(weight.device)
+    assert chunk >= weight.numel() * weight.element_size() and chunk >= GreedyHead.CHUNK_BYTES["cpu"]
+    per_position = weight.shape[0] * weight.element_size()
+    assert not head.worth_it(2 * chunk // per_position) and head.worth_it(2 * chunk // per_position + 1)

@@ -145,6 +145,8 @@ class TargetForward:
         keep it. The head's time counts as the forward's.
         """
         head = GreedyHead.of(self.model)
+        if head is not None and head.checked and not head.worth_it(tree.tokens.numel()):
+            return greedy_argmax(self.forward(tree, slots, first_positions, rows, fp32=False))
         if head is None or not head.checked:
             with contextlib.ExitStack() as stack:
                 if head is not None:
@@ -233,6 +235,17 @@ class GreedyHead:
         if not ok and model is not None:
             GreedyHead._heads[model] = None
 
+    def _chunk_bytes(self, device) -> int:
+        """Logits per chunk: the device's chunk, and at least the head's weight (each chunk reads it once)."""
+        weight = self.lm_head.weight
+        return max(self.CHUNK_BYTES.get(device.type, 1 << 28), weight.numel() * weight.element_size())
+
+    def worth_it(self, positions: int) -> bool:
+        """Whether ``positions`` logits span more than two chunks: below that the plain forward's one head
+        call is as cheap, and its logits are small anyway."""
+        weight = self.lm_head.weight
+        return positions * weight.shape[0] * weight.element_size() > 2 * self._chunk_bytes(weight.device)
+
     def argmax(self) -> torch.Tensor:
         """``[*hidden.shape[:-1]]`` argmax of ``lm_head(hidden)`` of the last capture, a chunk of positions at a time."""
         hidden, self.hidden = self.hidden, None
@@ -240,7 +253,7 @@ class GreedyHead:
             raise RuntimeError("The LM head was not called exactly once in the forward: nothing to take the argmax of.")
         flat = hidden.reshape(-1, hidden.shape[-1])
         vocab = self.lm_head.weight.shape[0]
-        per_chunk = max(1, self.CHUNK_BYTES.get(flat.device.type, 1 << 28) // (vocab * flat.element_size()))
+        per_chunk = max(1, self._chunk_bytes(flat.device) // (vocab * flat.element_size()))
         out = torch.empty(flat.shape[0], dtype=torch.long, device=flat.device)
         with torch.no_grad():
             for start in range(0, flat.shape[0], per_chunk):
