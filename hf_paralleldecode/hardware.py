@@ -24,6 +24,7 @@ measured on the embedded models (``jacobi_forcing.CPU_DEFAULTS``).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -111,9 +112,11 @@ def _cpu_preset() -> dict[str, dict]:
     }
 
 
+@functools.cache
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU multiplies bf16 matrices natively (AVX512-BF16 or AMX): a drafter forward then reads half
-    the bytes of an fp32 one at full speed; without them bf16 is emulated and slower than fp32."""
+    the bytes of an fp32 one at full speed; without them bf16 is emulated and slower than fp32. Probed once: every
+    run on a CPU reads it through the preset."""
     probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
     try:
         return any(bool(getattr(torch.cpu, name)()) for name in probes if hasattr(torch.cpu, name))

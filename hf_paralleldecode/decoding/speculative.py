@@ -146,13 +146,9 @@ _LOADED: dict = {}
 def _loaded_key(drafter, kwargs) -> tuple | None:
     from pathlib import Path
 
-    from ..drafters.diffusion import EMBEDDED_DRAFTERS
-    from ..drafters.head import EMBEDDED_HEADS
+    from ..drafters.diffusion import embedded_drafter_dir
 
-    assets = Path(__file__).resolve().parent.parent / "assets"
-    name = str(drafter)
-    folder = assets / EMBEDDED_DRAFTERS[name] if name in EMBEDDED_DRAFTERS else \
-        assets / EMBEDDED_HEADS[name] if name in EMBEDDED_HEADS else Path(drafter)
+    folder = embedded_drafter_dir(str(drafter)) or Path(drafter)
     if kwargs or not folder.is_dir():
         return None  # Hub ids and loading options: loaded as asked, every time
     files = sorted(p for p in folder.rglob("*") if p.is_file())

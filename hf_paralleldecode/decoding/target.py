@@ -145,15 +145,12 @@ class TargetForward:
         keep it. The head's time counts as the forward's.
         """
         head = GreedyHead.of(self.model)
-        if head is not None and head.checked and not head.worth_it(tree.tokens.numel()):
+        if head is None or (head.checked and not head.worth_it(tree.tokens.numel())):
             return greedy_argmax(self.forward(tree, slots, first_positions, rows, fp32=False))
-        if head is None or not head.checked:
-            with contextlib.ExitStack() as stack:
-                if head is not None:
-                    stack.enter_context(head.capture(compute=True))
+        if not head.checked:  # the model's first greedy step: the plain forward, and the check
+            with head.capture(compute=True):
                 logits = self.forward(tree, slots, first_positions, rows, fp32=False)
-            if head is not None:
-                head.check(logits)
+            head.check(logits)
             return greedy_argmax(logits)
         with head.capture(compute=False):
             self.forward(tree, slots, first_positions, rows, fp32=False)
@@ -161,8 +158,9 @@ class TargetForward:
         choices = head.argmax()
         if self._cuda:
             torch.cuda.synchronize(self.model.device)
-        self.head_seconds += time.perf_counter() - t0
-        self.seconds += time.perf_counter() - t0
+        elapsed = time.perf_counter() - t0
+        self.head_seconds += elapsed
+        self.seconds += elapsed
         return choices.to(tree.tokens.device)
 
     def forward(self, tree, slots, first_positions: torch.Tensor, rows: torch.Tensor | None = None,
@@ -192,10 +190,10 @@ class GreedyHead:
     CHUNK_BYTES = {"cpu": 1 << 21, "cuda": 1 << 28}
     _heads: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
-    def __init__(self, model, lm_head: nn.Linear):
-        self.model = weakref.ref(model)
+    def __init__(self, lm_head: nn.Linear):
         self.lm_head = lm_head
         self.checked = False  # logits == lm_head(hidden) seen on a real step
+        self.refused = False  # logits != lm_head(hidden) seen: never used for this model
         self.hidden = None
 
     @classmethod
@@ -204,8 +202,9 @@ class GreedyHead:
         first checked step showed logits other than ``lm_head(hidden)``."""
         if model not in cls._heads:
             lm_head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-            cls._heads[model] = cls(model, lm_head) if type(lm_head) is nn.Linear else None
-        return cls._heads[model]
+            cls._heads[model] = cls(lm_head) if type(lm_head) is nn.Linear else None
+        head = cls._heads[model]
+        return None if head is None or head.refused else head
 
     @contextlib.contextmanager
     def capture(self, compute: bool):
@@ -230,10 +229,7 @@ class GreedyHead:
         with torch.no_grad():
             ok = hidden is not None and hidden.shape[:-1] == logits.shape[:-1] and \
                 torch.equal(self.lm_head(hidden).to(logits.device), logits)
-        self.checked = ok
-        model = self.model()
-        if not ok and model is not None:
-            GreedyHead._heads[model] = None
+        self.checked, self.refused = ok, not ok
 
     def _chunk_bytes(self, device) -> int:
         """Logits per chunk: the device's chunk, and at least the head's weight (each chunk reads it once)."""

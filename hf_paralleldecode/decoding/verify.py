@@ -230,10 +230,8 @@ def verify_tree(tree, scores: torch.Tensor | None, do_sample: bool, q: torch.Ten
     probabilities (sampling only; ignored when greedy, where acceptance is exact match). A greedy
     step may pass the target's ``choices`` ``[batch, nodes]`` (its argmax) instead of ``scores``.
     """
-    if choices is not None:
-        if do_sample:
-            raise ValueError("verify_tree: choices stand for a greedy step's scores; sampling needs the scores.")
-        scores = None
+    if choices is not None and do_sample:
+        raise ValueError("verify_tree: choices stand for a greedy step's scores; sampling needs the scores.")
     if do_sample and q is not None:
         probs = torch.softmax(scores, dim=-1)
         path, num, nxt = rejection_walk(tree, probs, q)

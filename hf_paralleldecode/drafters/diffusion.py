@@ -65,6 +65,14 @@ DRAFTER_CONFIG_NAME = "diffusion_drafter.json"
 EMBEDDED_DRAFTERS = {"default-deer": "stdlib-coder-8m-deer"}
 
 
+def embedded_drafter_dir(name) -> Path | None:
+    """The folder of a shipped drafter or head alias (:data:`EMBEDDED_DRAFTERS`, ``EMBEDDED_HEADS``), else None."""
+    from .head import ASSETS_DIR, EMBEDDED_HEADS
+
+    folder = {**EMBEDDED_HEADS, **EMBEDDED_DRAFTERS}.get(name) if isinstance(name, str) else None
+    return None if folder is None else ASSETS_DIR / folder
+
+
 def tokenizer_fingerprint(tokenizer, vocab_size: int | None = None) -> str:
     """sha256 of a tokenizer's ``token -> id`` table (ids below ``vocab_size`` when given)."""
     items = sorted((i, t) for t, i in tokenizer.get_vocab().items() if vocab_size is None or i < vocab_size)
@@ -444,8 +452,7 @@ class DiffusionDrafter(nn.Module):
         """
         from transformers import AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM
 
-        if isinstance(path, str) and path in EMBEDDED_DRAFTERS:
-            path = Path(__file__).resolve().parent.parent / "assets" / EMBEDDED_DRAFTERS[path]
+        path = embedded_drafter_dir(path) or path
         folder = Path(path)
         if not folder.is_dir():
             from huggingface_hub import snapshot_download

@@ -44,6 +44,9 @@ __all__ = ["DraftHeadConfig", "DraftHead", "HEAD_ATTENTIONS", "EMBEDDED_HEADS", 
 HEAD_ATTENTIONS = ("tree_causal", "block_bidirectional")
 
 #: shipped heads for the embedded model (``DraftHead.from_pretrained("default-jetspec")``) -> folder under assets/
+#: the package's shipped checkpoints (the embedded models, heads and drafters)
+ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets"
+
 EMBEDDED_HEADS = {
     "default-jetspec": "stdlib-coder-8m-jetspec-head",  # recipes/draft_head_tiny_cpu.yaml
     "default-dflash": "stdlib-coder-8m-dflash-head",  # recipes/dflash_head_tiny_cpu.yaml
@@ -236,8 +239,7 @@ class DraftHead(PreTrainedModel):
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
         """``PreTrainedModel.from_pretrained``, plus the shipped heads' aliases (:data:`EMBEDDED_HEADS`)."""
         if isinstance(pretrained_model_name_or_path, str) and pretrained_model_name_or_path in EMBEDDED_HEADS:
-            pretrained_model_name_or_path = Path(__file__).resolve().parent.parent / "assets" / \
-                EMBEDDED_HEADS[pretrained_model_name_or_path]
+            pretrained_model_name_or_path = ASSETS_DIR / EMBEDDED_HEADS[pretrained_model_name_or_path]
         return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
 
     # ---- building and checking ---------------------------------------------------------------

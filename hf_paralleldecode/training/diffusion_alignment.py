@@ -40,7 +40,7 @@ import torch
 from transformers import TrainingArguments
 
 from ..decoding.cache import additive_mask
-from .draft_head import DrafterTrainer
+from .draft_head import DrafterTrainer, padded_rows_and_anchors
 from .losses import DISTILLATION_OBJECTIVES, diffusion_alignment_loss, position_weights
 from .trajectories import check_token_ids
 
@@ -127,28 +127,15 @@ class DiffusionAlignmentCollator:
         self.generator = torch.Generator().manual_seed(seed)
 
     def __call__(self, rows):
-        for r in rows:
-            if "input_ids" not in r or "prompt_ids" not in r:
-                raise ValueError("Diffusion alignment rows need `input_ids` and `prompt_ids` (from `regenerate`; "
-                                 "prompt_ids=[] for plain text).")
         c = self.c
         pick = int(torch.randint(len(self.spans), (1,), generator=self.generator)) if len(self.spans) > 1 else 0
         L, span_w = self.spans[pick]
-        seqs = [list(r["input_ids"]) for r in rows]
-        T = max(map(len, seqs))
-        ids = torch.full((len(rows), T), self.pad, dtype=torch.long)
-        mask = torch.zeros(len(rows), T, dtype=torch.long)
-        picks = []
-        for b, (seq, r) in enumerate(zip(seqs, rows)):
-            ids[b, : len(seq)] = torch.tensor(seq, dtype=torch.long)
-            mask[b, : len(seq)] = 1
-            first = max(len(r["prompt_ids"]) - 1, 0)
-            candidates = torch.arange(first, len(seq) - 1)  # an anchor has at least one token after it
-            order = torch.randperm(len(candidates), generator=self.generator)[: self.max_anchors]
-            picks.append(candidates[order].sort().values)
-        A = max(1, max(len(p) for p in picks))
+        ids, mask, anchors, picks = padded_rows_and_anchors(
+            rows, self.pad, self.max_anchors, self.generator,
+            "Diffusion alignment rows need `input_ids` and `prompt_ids` (from `regenerate`; prompt_ids=[] for plain "
+            "text).")
+        T, A = ids.shape[1], anchors.shape[1]
         boundary = [c.boundary_token_id] if c.boundary_token_id is not None else []
-        anchors = torch.full((len(rows), A), -1, dtype=torch.long)
         block = torch.full((len(rows), A, len(boundary) + L), c.mask_token_id, dtype=torch.long)
         if boundary:
             block[..., 0] = boundary[0]
@@ -157,7 +144,6 @@ class DiffusionAlignmentCollator:
         d = torch.arange(1, L + 1)
         for b, p in enumerate(picks):
             n = len(p)
-            anchors[b, :n] = p
             target_pos = p[:, None] + d[None]  # [n, L]
             inside = target_pos < int(mask[b].sum())
             labels[b, :n] = ids[b].gather(0, target_pos.clamp(max=T - 1).reshape(-1)).reshape(n, L) * inside

@@ -87,30 +87,40 @@ class DraftHeadCollator:
         self.generator = torch.Generator().manual_seed(seed)
 
     def __call__(self, rows):
-        for r in rows:
-            if "input_ids" not in r or "prompt_ids" not in r:
-                raise ValueError("Draft-head training rows need `input_ids` and `prompt_ids` (from `regenerate`).")
-        seqs = [list(r["input_ids"]) for r in rows]
-        T = max(map(len, seqs))
-        ids = torch.full((len(rows), T), self.pad, dtype=torch.long)
-        mask = torch.zeros(len(rows), T, dtype=torch.long)
-        picks = []
-        for b, (seq, r) in enumerate(zip(seqs, rows)):
-            ids[b, : len(seq)] = torch.tensor(seq)
-            mask[b, : len(seq)] = 1
-            first = max(len(r["prompt_ids"]) - 1, 0)
-            candidates = torch.arange(first, len(seq) - 1)  # an anchor predicts at least one token
-            order = torch.randperm(len(candidates), generator=self.generator)[: self.max_anchors]
-            picks.append(candidates[order].sort().values)
-        A = max(1, max(len(p) for p in picks))
-        anchors = torch.full((len(rows), A), -1, dtype=torch.long)
-        weights = torch.zeros(len(rows), A, self.block_size)
+        ids, mask, anchors, picks = padded_rows_and_anchors(
+            rows, self.pad, self.max_anchors, self.generator,
+            "Draft-head training rows need `input_ids` and `prompt_ids` (from `regenerate`).")
+        weights = torch.zeros(len(rows), anchors.shape[1], self.block_size)
         k = torch.arange(1, self.block_size + 1)
         for b, p in enumerate(picks):
-            anchors[b, : len(p)] = p
             inside = (p[:, None] + k[None]) < int(mask[b].sum())  # the predicted token exists
             weights[b, : len(p)] = self.w[None] * inside
         return dict(input_ids=ids, attention_mask=mask, anchors=anchors, weights=weights)
+
+
+def padded_rows_and_anchors(rows, pad: int, max_anchors: int, generator: torch.Generator, missing: str):
+    """The drafter collators' shared part: rows right-padded (``input_ids`` / ``attention_mask`` ``[B, T]``) and up
+    to ``max_anchors`` anchors drawn in each row's answer, from the prompt's last token to the one before the last
+    (an anchor predicts at least one token), sorted: ``anchors`` ``[B, A]`` (``-1`` = none) and the per-row
+    ``picks``. A row without ``input_ids`` or ``prompt_ids`` raises ``ValueError(missing)``."""
+    for r in rows:
+        if "input_ids" not in r or "prompt_ids" not in r:
+            raise ValueError(missing)
+    seqs = [list(r["input_ids"]) for r in rows]
+    T = max(map(len, seqs))
+    ids = torch.full((len(rows), T), pad, dtype=torch.long)
+    mask = torch.zeros(len(rows), T, dtype=torch.long)
+    picks = []
+    for b, (seq, r) in enumerate(zip(seqs, rows)):
+        ids[b, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+        mask[b, : len(seq)] = 1
+        candidates = torch.arange(max(len(r["prompt_ids"]) - 1, 0), len(seq) - 1)
+        order = torch.randperm(len(candidates), generator=generator)[:max_anchors]
+        picks.append(candidates[order].sort().values)
+    anchors = torch.full((len(rows), max(1, max(len(p) for p in picks))), -1, dtype=torch.long)
+    for b, p in enumerate(picks):
+        anchors[b, : len(p)] = p
+    return ids, mask, anchors, picks
 
 
 def block_layout(kind: str, block_size: int, anchors: torch.Tensor, tokens: torch.Tensor, mask_token_id: int):
