@@ -68,3 +68,25 @@ def test_bad_settings_are_refused_before_any_forward(settings, match):
         model.generate(input_ids=torch.tensor([[5, 6]]), max_new_tokens=4, decoding="prompt_lookup", **settings)
     with pytest.raises(ValueError, match=match):
         hfpd.ParallelDecodingConfig("prompt_lookup", settings)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_incremental_ngram_index_answers_like_the_scan(seed):
+    """ContextNgrams keeps an NgramIndex per row, fed in chunks as tokens are committed; after every chunk its
+    answer equals the brute force over the whole context (same matches, same order)."""
+    import random
+
+    from hf_paralleldecode.decoding.prompt_lookup import NgramIndex
+
+    rng = random.Random(seed)
+    tokens = [rng.randrange(4) for _ in range(60)]
+    for ngram in (1, 3, 5):
+        index = NgramIndex(tokens[:5], ngram)
+        fed = 5
+        while fed < len(tokens):
+            step = rng.randint(1, 6)
+            index.extend(tokens[fed: fed + step])
+            fed = min(fed + step, len(tokens))
+            for num, matches in ((3, 4), (1, 2), (10, 50), (0, 3)):
+                assert index.candidates(num, matches) == _brute(tokens[:fed], num, ngram, matches)
+    assert NgramIndex([7], 3).candidates(3, 4) == []

@@ -189,3 +189,44 @@ def test_host_walk_of_small_trees_equals_the_vectorised_walk(monkeypatch):
         for b in range(batch):
             n = int(vec.num_accepted[b]) + 1
             assert host.tokens[b, :n].tolist() == vec.tokens[b, :n].tolist()
+
+
+def test_host_packing_of_small_trees_equals_the_vectorised_packing(monkeypatch):
+    """Small trees are packed in Python (a trie of dicts, a bitset ancestor mask); every field must equal the
+    vectorised packing's, budget cuts and empty rows included."""
+    import random
+
+    from hf_paralleldecode.decoding import tree as tree_mod
+
+    rng = random.Random(3)
+    for _ in range(300):
+        batch = rng.randint(1, 4)
+        cands = [[[rng.randrange(3) for _ in range(rng.randint(0, 7))] for _ in range(rng.randint(0, 5))]
+                 for _ in range(batch)]
+        roots = torch.tensor([rng.randrange(9) for _ in range(batch)])
+        budget = rng.choice([None, 1, 2, 3, 5, 8, 40])
+        monkeypatch.setattr(tree_mod, "HOST_PACK_TOKENS", 10**9)
+        host = pack_trees(roots, cands, budget)
+        monkeypatch.setattr(tree_mod, "HOST_PACK_TOKENS", -1)
+        vec = pack_trees(roots, cands, budget)
+        for field in ("tokens", "parents", "depth", "num_nodes", "mask", "candidate_index", "candidate_fresh"):
+            a, b = getattr(host, field), getattr(vec, field)
+            assert (a is None) == (b is None), field
+            if a is not None:
+                assert a.dtype == b.dtype and torch.equal(a, b), field
+        assert host.max_depth == vec.max_depth and host.candidate_nodes == vec.candidate_nodes
+
+
+def test_host_ancestor_mask_equals_pointer_doubling_on_deep_wide_trees():
+    import random
+
+    from hf_paralleldecode.decoding.tree import _ancestor_mask_on_host, ancestor_mask
+
+    rng = random.Random(4)
+    for width in (1, 7, 8, 9, 70, 130):
+        rows = []
+        for _ in range(3):
+            n = rng.randint(1, width)
+            rows.append([-1] + [rng.randrange(v) for v in range(1, n)])  # parents before children
+        padded = torch.tensor([p + [-1] * (width - len(p)) for p in rows])
+        assert torch.equal(_ancestor_mask_on_host(rows, width, "cpu"), ancestor_mask(padded, width))

@@ -190,7 +190,11 @@ class DecodeRun:
         for name, values in (("scores", scores), ("logits", logits)):
             if getattr(self.log, name) is not None:
                 kept[name] = values.gather(1, idx[..., None].expand(-1, -1, values.shape[-1]))
-        self.log.add(self.rows, verdict.tokens, num + 1, kept.get("scores"), kept.get("logits"))
+        host = None
+        if verdict.host is not None:
+            _, nums, committed = verdict.host
+            host = (self.rows.tolist(), committed, [n + 1 for n in nums])
+        self.log.add(self.rows, verdict.tokens, num + 1, kept.get("scores"), kept.get("logits"), host=host)
         keep = torch.zeros(verdict.choices.shape[:2], dtype=torch.bool, device=path.device)
         keep.scatter_(1, idx, path >= 0)
         keep[:, 0] = True  # the root (the last committed token) always gets its KV
@@ -226,10 +230,11 @@ class DecodeRun:
     # ---- row management -------------------------------------------------------------------------
     def drop_finished(self) -> torch.Tensor | None:
         """Remove rows that need no more work; return the kept positions (into the active rows) or None."""
-        needs = self.log.needs_work()[self.rows]
-        if bool(needs.all()):
+        needs = self.log.host_needs_work()
+        flags = [needs[r] for r in self.rows.tolist()]
+        if all(flags):
             return None
-        keep = needs.nonzero().squeeze(1)
+        keep = torch.tensor([i for i, f in enumerate(flags) if f], dtype=torch.long, device=self.rows.device)
         self.rows = self.rows[keep]
         if keep.numel():
             self.slots.select_rows(keep)

@@ -17,6 +17,7 @@ What it deliberately does not know
 from __future__ import annotations
 
 import torch
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
 __all__ = ["CommitLog"]
 
@@ -26,6 +27,12 @@ class CommitLog:
 
     Shapes: ``tokens`` ``[batch, max_new_tokens]``, ``count`` ``[batch]`` (committed per row),
     ``sequences`` ``[batch, prompt_len + emitted]``.
+
+    The bookkeeping lives in host lists (a step commits a handful of tokens per row, and on a CPU
+    each small tensor operation costs microseconds); ``tokens``, ``count``, ``first_eos``,
+    ``unfinished``, ``finished_at`` and ``forwards_per_row`` are tensors built from them when read,
+    once per change. With only length / EOS stopping criteria (what ``generate`` builds unless the
+    user adds their own), emission decides on the host too and calls no criterion per token.
     """
 
     def __init__(
@@ -49,30 +56,78 @@ class CommitLog:
         self.eos_ids = eos.reshape(-1).to(input_ids.device) if (eos is not None and self.has_eos_criteria) else None
         if self.has_eos_criteria and self.pad_token_id is None:
             raise ValueError("`pad_token_id` must be set when `eos_token_id` is, to pad rows that finished early.")
-        device = input_ids.device
+        self.device = input_ids.device
+        self.prompt_len = prompt_len
         self.sequences = input_ids
-        # committed tokens; the columns past max_new_tokens take the uncommitted tail of each write
-        self._token_buf = torch.zeros(batch, self.max_new_tokens + 64, dtype=torch.long, device=device)
-        self.count = torch.zeros(batch, dtype=torch.long, device=device)
-        self.first_eos = torch.full((batch,), self.max_new_tokens, dtype=torch.long, device=device)
-        self.unfinished = torch.ones(batch, dtype=torch.bool, device=device)
-        self.finished_at = torch.full((batch,), self.max_new_tokens, dtype=torch.long, device=device)
         self.emitted = 0
-        self.forwards_per_row = torch.zeros(batch, dtype=torch.long, device=device)
+        # host state (the truth); tensors are built from it on demand (see _tensor)
+        self._rows = [[] for _ in range(batch)]  # committed tokens per row
+        self._count = [0] * batch
+        self._first_eos = [self.max_new_tokens] * batch
+        self._unfinished = [True] * batch
+        self._finished_at = [self.max_new_tokens] * batch
+        self._forwards = [0] * batch
+        self._tensors: dict[str, torch.Tensor] = {}
+        self._eos_set = set(self.eos_ids.tolist()) if self.eos_ids is not None else None
+        # criteria emission can decide on the host: exactly transformers' length / EOS criteria, EOS ids known
+        self._host_criteria = all(type(c) in (MaxLengthCriteria, EosTokenCriteria) for c in stopping_criteria) and (
+            not any(type(c) is EosTokenCriteria for c in stopping_criteria) or self._eos_set is not None) and all(
+            set(c.eos_token_id.reshape(-1).tolist()) == self._eos_set for c in stopping_criteria
+            if type(c) is EosTokenCriteria)
         self.scores: list[torch.Tensor] | None = [] if output_scores else None
         self.logits: list[torch.Tensor] | None = [] if output_logits else None
         self._score_buf = self._logit_buf = None
         if streamer is not None and not prompt_streamed:
             streamer.put(input_ids.cpu())
 
+    # ---- tensors built from the host state -------------------------------------------------------
+    def _tensor(self, name: str, build) -> torch.Tensor:
+        t = self._tensors.get(name)
+        if t is None:
+            t = self._tensors[name] = build()
+        return t
+
+    def _long(self, values: list) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)
+
     @property
     def tokens(self) -> torch.Tensor:
-        """``[batch, max_new_tokens]`` committed tokens (row ``r``'s first ``count[r]`` are valid)."""
-        return self._token_buf[:, : self.max_new_tokens]
+        """``[batch, max_new_tokens]`` committed tokens (row ``r``'s first ``count[r]`` are valid, the rest 0)."""
+        width = self.max_new_tokens
+        return self._tensor("tokens", lambda: self._long([row + [0] * (width - len(row)) for row in self._rows])
+                            .reshape(len(self._rows), width))
+
+    @property
+    def count(self) -> torch.Tensor:
+        return self._tensor("count", lambda: self._long(self._count))
+
+    @property
+    def first_eos(self) -> torch.Tensor:
+        return self._tensor("first_eos", lambda: self._long(self._first_eos))
+
+    @property
+    def unfinished(self) -> torch.Tensor:
+        return self._tensor("unfinished", lambda: torch.tensor(self._unfinished, dtype=torch.bool, device=self.device))
+
+    @property
+    def finished_at(self) -> torch.Tensor:
+        return self._tensor("finished_at", lambda: self._long(self._finished_at))
+
+    @property
+    def forwards_per_row(self) -> torch.Tensor:
+        return self._tensor("forwards_per_row", lambda: self._long(self._forwards))
+
+    def host_counts(self, rows: list[int]) -> list[int]:
+        """Committed tokens of ``rows`` (original ids), as host ints."""
+        return [self._count[r] for r in rows]
+
+    def host_tokens(self, row: int) -> list[int]:
+        """Row ``row``'s committed tokens, as a host list (do not modify)."""
+        return self._rows[row]
 
     @property
     def batch_size(self) -> int:
-        return self.tokens.shape[0]
+        return len(self._rows)
 
     def add(
         self,
@@ -81,28 +136,35 @@ class CommitLog:
         num_new: torch.Tensor,  # [active] how many of new_tokens each row commits (a prefix)
         scores: torch.Tensor | None = None,  # [active, width, vocab] processed scores of new_tokens
         logits: torch.Tensor | None = None,  # [active, width, vocab] raw logits of new_tokens
+        host: tuple[list[int], list[list[int]], list[int]] | None = None,  # (rows, new_tokens, num_new) as lists
     ) -> None:
-        """Commit ``new_tokens[i, :num_new[i]]`` to row ``rows[i]`` (one target forward for those rows)."""
-        width = new_tokens.shape[1]
-        start = self.count[rows]
-        num_new = torch.minimum(num_new, self.max_new_tokens - start)
-        cols = torch.arange(width, device=new_tokens.device)
-        take = cols[None, :] < num_new[:, None]  # [active, width]
-        pos = start[:, None] + cols[None, :]
-        row_idx = rows[:, None].expand_as(pos)
-        if self._token_buf.shape[1] < self.max_new_tokens + width:
-            spare = self._token_buf.new_zeros(self._token_buf.shape[0], self.max_new_tokens + width - self._token_buf.shape[1])
-            self._token_buf = torch.cat([self._token_buf, spare], dim=1)
-        # one write without a host sync: tokens not taken land in the spare columns (distinct per column)
-        self._token_buf[row_idx, torch.where(take, pos, self.max_new_tokens + cols)] = new_tokens
-        self._buffer("_score_buf", self.scores, scores, row_idx, pos, take)
-        self._buffer("_logit_buf", self.logits, logits, row_idx, pos, take)
-        if self.eos_ids is not None:
-            is_eos = torch.isin(new_tokens, self.eos_ids) & take
-            first = torch.where(is_eos.any(1), start + is_eos.int().argmax(1), self.max_new_tokens)
-            self.first_eos[rows] = torch.minimum(self.first_eos[rows], first)
-        self.count[rows] = start + num_new
-        self.forwards_per_row[rows] += 1
+        """Commit ``new_tokens[i, :num_new[i]]`` to row ``rows[i]`` (one target forward for those rows).
+
+        ``host``: the same three as host lists when the caller has them (then no tensor is read back)."""
+        rows_l, tokens_l, num_l = host if host is not None else (rows.tolist(), new_tokens.tolist(), num_new.tolist())
+        starts = []
+        for r, toks, n in zip(rows_l, tokens_l, num_l):
+            start = self._count[r]
+            n = max(min(n, self.max_new_tokens - start), 0)
+            starts.append(start)
+            kept = toks[:n]
+            self._rows[r].extend(kept)
+            if self._eos_set is not None and self._first_eos[r] == self.max_new_tokens:
+                first = next((k for k, t in enumerate(kept) if t in self._eos_set), None)
+                if first is not None:
+                    self._first_eos[r] = start + first
+            self._count[r] = start + n
+            self._forwards[r] += 1
+        self._tensors.clear()
+        if scores is not None or logits is not None:
+            width = new_tokens.shape[1]
+            start = self._long(starts)
+            cols = torch.arange(width, device=new_tokens.device)
+            take = cols[None, :] < (self.count[rows] - start)[:, None]  # [active, width]
+            pos = start[:, None] + cols[None, :]
+            row_idx = rows[:, None].expand_as(pos)
+            self._buffer("_score_buf", self.scores, scores, row_idx, pos, take)
+            self._buffer("_logit_buf", self.logits, logits, row_idx, pos, take)
 
     def _buffer(self, name, requested, values, row_idx, pos, take):
         if requested is None or values is None:
@@ -120,26 +182,33 @@ class CommitLog:
 
     def needs_work(self) -> torch.Tensor:
         """``[batch]`` bool: rows whose continuation can still appear in the output."""
-        room = self.count < self.max_new_tokens
+        return torch.tensor(self.host_needs_work(), dtype=torch.bool, device=self.device)
+
+    def host_needs_work(self) -> list[bool]:
+        """:meth:`needs_work` as host bools."""
+        m = self.max_new_tokens
         if not self.has_eos_criteria:
             # Stock keeps generating real tokens for finished rows until every row has finished.
-            return room & self.unfinished.any()
-        return room & self.unfinished & (self.first_eos >= self.count)
+            going = any(self._unfinished)
+            return [going and c < m for c in self._count]
+        return [u and c < m and e >= c for u, c, e in zip(self._unfinished, self._count, self._first_eos)]
+
+    def _ready(self) -> int:
+        """Steps every row still writing has committed (all rows' without an EOS criterion)."""
+        counts = [c for c, u in zip(self._count, self._unfinished) if u or not self.has_eos_criteria]
+        return min(min(counts, default=self.max_new_tokens), self.max_new_tokens)
 
     def emit(self) -> None:
         """Emit every step that every row still writing has committed; update ``unfinished``."""
-        while self.unfinished.any() and self.emitted < self.max_new_tokens:
+        if self._host_criteria and self.scores is None:
+            return self._emit_on_host()
+        while any(self._unfinished) and self.emitted < self.max_new_tokens:
             t = self.emitted
             # with an EOS criterion a finished row's step is padding; without one stock keeps writing the
             # row's real tokens, so every row must have committed step t
-            waiting = self.count <= t
-            if self.has_eos_criteria:
-                waiting &= self.unfinished
-            if bool(waiting.any()):
+            if self._ready() <= t:
                 return
-            step = self.tokens[:, t]
-            if self.has_eos_criteria:
-                step = torch.where(self.unfinished, step, self.pad_token_id)
+            step = self._long(self._step(t))
             self.sequences = torch.cat([self.sequences, step[:, None]], dim=-1)
             step_scores = self._score_buf[:, t] if self._score_buf is not None else None
             if self.scores is not None:
@@ -150,14 +219,55 @@ class CommitLog:
                 self.streamer.put(step.cpu())
             # like stock: the criteria get the tuple of every step's scores when they are kept, else None
             all_scores = tuple(self.scores) if self.scores is not None else None
-            stopped = self.unfinished & self.stopping_criteria(self.sequences, all_scores)
-            self.finished_at[stopped] = t + 1
-            self.unfinished &= ~stopped
+            stopped = (self.unfinished & self.stopping_criteria(self.sequences, all_scores)).tolist()
+            self._stop(stopped, t)
             self.emitted += 1
+
+    def _step(self, t: int) -> list[int]:
+        """Step ``t``'s token of every row (a finished row's is padding when there is an EOS criterion)."""
+        if self.has_eos_criteria:
+            return [row[t] if u else self.pad_token_id for row, u in zip(self._rows, self._unfinished)]
+        return [row[t] for row in self._rows]
+
+    def _stop(self, stopped: list[bool], t: int) -> None:
+        if any(stopped):
+            for r, s in enumerate(stopped):
+                if s:
+                    self._finished_at[r] = t + 1
+                    self._unfinished[r] = False
+            self._tensors.clear()
+
+    def _emit_on_host(self) -> None:
+        """:meth:`emit` for transformers' own length / EOS criteria: the same steps, padding and finished rows,
+        decided on host lists; the sequences grow by one concatenation per call."""
+        steps = []
+        max_length = min((c.max_length for c in self.stopping_criteria if type(c) is MaxLengthCriteria), default=None)
+        while any(self._unfinished) and self.emitted < self.max_new_tokens:
+            t = self.emitted
+            if self._ready() <= t:
+                break
+            step = self._step(t)
+            steps.append(step)
+            if self.streamer is not None:
+                self.streamer.put(self._long(step).cpu())
+            if max_length is not None and self.prompt_len + t + 1 >= max_length:
+                stopped = list(self._unfinished)
+            elif self._eos_set is not None:
+                stopped = [u and tok in self._eos_set for u, tok in zip(self._unfinished, step)]
+            else:
+                stopped = [False] * len(step)
+            self._stop(stopped, t)
+            self.emitted += 1
+        if steps:
+            block = self._long(steps).reshape(len(steps), -1).T
+            self.sequences = torch.cat([self.sequences, block], dim=-1)
+            for c in self.stopping_criteria:  # the length criterion's warning past max_position_embeddings
+                if type(c) is MaxLengthCriteria and c.max_position_embeddings is not None:
+                    c(self.sequences, None)
 
     @property
     def done(self) -> bool:
-        return not bool(self.unfinished.any()) or self.emitted >= self.max_new_tokens
+        return not any(self._unfinished) or self.emitted >= self.max_new_tokens
 
     def finish(self) -> None:
         if self.streamer is not None:
@@ -165,4 +275,4 @@ class CommitLog:
 
     def useful_tokens(self) -> torch.Tensor:
         """``[batch]`` tokens each row generated up to the step that finished it (what TPF counts)."""
-        return torch.minimum(self.count, torch.minimum(self.finished_at, torch.tensor(self.emitted)))
+        return self._long([min(c, f, self.emitted) for c, f in zip(self._count, self._finished_at)])

@@ -128,7 +128,7 @@ class MultiblockProposer(ComposedTreeProposer):
 
     def propose(self):
         """The chain first (its nodes are read back in ``update``), then context matches and recycled n-grams."""
-        counts = self.run.log.count[self.run.rows].tolist()
+        counts = self.run.log.host_counts(self.run.rows.tolist())
         context = self.context_candidates(counts)
         roots, cands, sources = [], [], []
         for i, r in enumerate(self.run.rows.tolist()):

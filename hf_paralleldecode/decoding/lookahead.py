@@ -84,7 +84,7 @@ class LookaheadProposer(ComposedTreeProposer):
     def propose(self):
         """Window columns first (their nodes are read back in ``update``), then context matches and pool n-grams."""
         log = self.run.log
-        counts = log.count[self.run.rows].tolist()
+        counts = log.host_counts(self.run.rows.tolist())
         context = self.context_candidates(counts)
         roots, cands, sources = [], [], []
         for i, (r, count) in enumerate(zip(self.run.rows.tolist(), counts)):

@@ -26,7 +26,7 @@ from .base import Proposer, check_bool_setting, check_int_setting, checks_settin
 from .budget import CostAwareBudget
 from .tree import PackedTree, pack_trees
 
-__all__ = ["prompt_lookup", "context_candidates", "ContextNgrams", "ComposedTreeProposer", "check_context_settings",
+__all__ = ["prompt_lookup", "context_candidates", "NgramIndex", "ContextNgrams", "ComposedTreeProposer", "check_context_settings",
            "GUESSES", "POOL", "CONTEXT"]
 
 
@@ -45,20 +45,7 @@ def context_candidates(context: torch.Tensor, num_tokens: int, max_ngram_size: i
     and at least one token after the match (the suffix itself excluded) gives
     ``context[p+n : p+n+num_tokens]``; longer ``n`` first, later ``p`` first, duplicates dropped.
     """
-    length = context.shape[0]
-    out: list[list[int]] = []
-    seen: set[tuple[int, ...]] = set()
-    for n in range(min(max_ngram_size, length - 1), 0, -1):
-        windows = context[:-1].unfold(0, n, 1)  # start p in [0, length - n - 1]: a continuation exists
-        hits = (windows == context[-n:]).all(dim=1).nonzero().flatten().flip(0)
-        for p in hits.tolist():
-            cont = tuple(context[p + n : p + n + num_tokens].tolist())
-            if cont not in seen:
-                seen.add(cont)
-                out.append(list(cont))
-                if len(out) == max_matches:
-                    return out
-    return out
+    return NgramIndex(context.tolist(), max_ngram_size).candidates(num_tokens, max_matches)
 
 
 def check_context_settings(context_matches, context_tokens, context_ngram_size, tree_budget, cost_aware) -> None:
@@ -78,26 +65,71 @@ def check_context_settings(context_matches, context_tokens, context_ngram_size, 
 GUESSES, POOL, CONTEXT = 0, 1, 2
 
 
+class NgramIndex:
+    """One row's context (a host list that only grows) with the start positions of each of its n-grams
+    (``n <= max_ngram_size``): :meth:`candidates` answers :func:`context_candidates` with dictionary
+    lookups instead of a scan of the whole context per step."""
+
+    def __init__(self, tokens: list[int], max_ngram_size: int):
+        self.tokens: list[int] = []
+        self.max_ngram = max_ngram_size
+        self.starts: dict[tuple[int, ...], list[int]] = {}  # n-gram -> start positions, increasing
+        self.extend(tokens)
+
+    def extend(self, new: list[int]) -> None:
+        toks = self.tokens
+        for tok in new:
+            toks.append(tok)
+            end = len(toks)
+            for n in range(1, min(self.max_ngram, end) + 1):
+                self.starts.setdefault(tuple(toks[end - n:]), []).append(end - n)
+
+    def candidates(self, num_tokens: int, max_matches: int) -> list[list[int]]:
+        """:func:`context_candidates` of the context (same matches, same order)."""
+        toks = self.tokens
+        length = len(toks)
+        out: list[list[int]] = []
+        seen: set[tuple[int, ...]] = set()
+        for n in range(min(self.max_ngram, length - 1), 0, -1):
+            for p in reversed(self.starts.get(tuple(toks[length - n:]), ())):
+                if p + n >= length:  # the suffix itself: nothing follows it
+                    continue
+                cont = tuple(toks[p + n: p + n + num_tokens])
+                if cont not in seen:
+                    seen.add(cont)
+                    out.append(list(cont))
+                    if len(out) == max_matches:
+                        return out
+        return out
+
+
 class ContextNgrams:
     """The context n-gram source any proposer can add to its tree: per active row, continuations of the
-    row's suffix found in its prompt and committed tokens (:func:`context_candidates`), best first."""
+    row's suffix found in its prompt and committed tokens (:func:`context_candidates`), best first.
+
+    Each row keeps an :class:`NgramIndex` of its context, fed the row's newly committed tokens from the
+    commit log's host lists: no tensor is read per step."""
 
     def __init__(self, run, num_tokens: int, max_ngram_size: int, max_matches: int):
         self.run = run
         self.num_tokens, self.max_ngram, self.max_matches = num_tokens, max_ngram_size, max_matches
         self.steps = self.matched = 0
-        self.prompts = {r: run.packed_prompt[r, : int(run.prompt_lengths[r])].cpu() for r in range(run.prompt.shape[0])}
+        self.index = {r: NgramIndex(run.packed_prompt[r, : int(run.prompt_lengths[r])].tolist(), max_ngram_size)
+                      for r in range(run.prompt.shape[0])}
+        self.fed = {r: 0 for r in self.index}  # committed tokens already in each row's index
 
     def candidates(self, counts: list[int]) -> list[list[list[int]]]:
         """Per active row: up to ``max_matches`` continuations. ``counts``: each active row's committed
-        tokens (the caller's host copy); the tokens themselves take one device-to-host copy."""
-        log, rows = self.run.log, self.run.rows
-        tokens = log.tokens[rows, : max(counts)].cpu()
+        tokens (the caller's host copy)."""
+        log = self.run.log
         out = []
-        for i, r in enumerate(rows.tolist()):
-            context = torch.cat([self.prompts[r], tokens[i, : counts[i]]])
-            room = int(log.max_new_tokens) - counts[i]  # a depth-d path commits d + 1 tokens
-            found = context_candidates(context, min(self.num_tokens, room), self.max_ngram, self.max_matches)
+        for r, count in zip(self.run.rows.tolist(), counts):
+            index = self.index[r]
+            if count > self.fed[r]:
+                index.extend(log.host_tokens(r)[self.fed[r]: count])
+                self.fed[r] = count
+            room = int(log.max_new_tokens) - count  # a depth-d path commits d + 1 tokens
+            found = index.candidates(min(self.num_tokens, room), self.max_matches)
             self.steps += 1
             self.matched += bool(found)
             out.append(found)
@@ -149,9 +181,11 @@ class ContextNgramProposer(ComposedTreeProposer):
     def propose(self):
         rows = self.run.rows
         log = self.run.log
-        counts = log.count[rows]
-        cands = self.context_candidates(counts.tolist())
-        return self.pack(log.tokens[rows, counts - 1], cands, [[CONTEXT] * len(c) for c in cands])
+        rows_l = rows.tolist()
+        counts = log.host_counts(rows_l)
+        cands = self.context_candidates(counts)
+        roots = torch.tensor([log.host_tokens(r)[c - 1] for r, c in zip(rows_l, counts)], device=rows.device)
+        return self.pack(roots, cands, [[CONTEXT] * len(c) for c in cands])
 
     def update(self, tree, verdict) -> None:
         """Nothing to learn: the next step reads the committed tokens from the commit log."""

@@ -332,7 +332,7 @@ class DraftProposer(Proposer):
         t_start = time.perf_counter()
         drafter_before = self.source.seconds
         self.root_pos = run.next_positions()  # [active]
-        counts = run.log.count[run.rows].tolist()
+        counts = run.log.host_counts(run.rows.tolist())
         budgets = [run.log.max_new_tokens - c for c in counts]
         roots = self.roots.tolist()
         found = self.context.candidates(counts) if self.context is not None else None

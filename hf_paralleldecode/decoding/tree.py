@@ -23,9 +23,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 __all__ = ["PackedTree", "pack_trees", "pack_candidates", "chain_tree", "tree_from_parents", "ancestor_mask"]
+
+#: trees of at most this many candidate tokens / nodes (all rows together) are packed in Python on the host
+#: lists the proposers already hold: a trie of dicts and one copy per field beat the ~40 small tensor
+#: operations of the vectorised packing (:func:`pack_candidates`, :func:`ancestor_mask`) on a CPU, where
+#: each costs microseconds; larger trees (wide batches) keep the vectorised path
+HOST_PACK_TOKENS = 1024
 
 
 @dataclass
@@ -108,6 +115,10 @@ def pack_trees(
     batch = roots.shape[0]
     if len(candidates) != batch:
         raise ValueError(f"Got candidates for {len(candidates)} rows, expected {batch}.")
+    if max_nodes is not None and max_nodes < 1:
+        raise ValueError(f"max_nodes must be >= 1, got {max_nodes}.")
+    if budget is None and sum(len(x) for c in candidates for x in c) <= HOST_PACK_TOKENS:
+        return _pack_on_host(roots, candidates, max_nodes)
     num = max((len(c) for c in candidates), default=0)
     longest = max((len(x) for c in candidates for x in c), default=0)
     lengths = [[len(x) for x in c] + [0] * (num - len(c)) for c in candidates]
@@ -190,6 +201,49 @@ def pack_candidates(
                       candidate_index=node, candidate_fresh=fresh, candidate_sources=sources, _max_depth=max_depth)
 
 
+def _pack_on_host(roots: torch.Tensor, candidates, max_nodes: int | None) -> PackedTree:
+    """:func:`pack_trees` without a cost budget, by inserting the candidates one by one into a trie of dicts
+    (the same tree, node numbering, ``candidate_index`` and ``candidate_fresh`` as :func:`pack_candidates`)."""
+    batch = roots.shape[0]
+    num = max((len(c) for c in candidates), default=0)
+    longest = max((len(x) for c in candidates for x in c), default=0)
+    if num == 0 or longest == 0:  # the vectorised path's one-node tree
+        return pack_candidates(roots, torch.zeros((batch, num, longest), dtype=torch.long, device=roots.device),
+                               torch.zeros((batch, num), dtype=torch.long, device=roots.device))
+    cap = None if max_nodes is None else max_nodes - 1  # drafted nodes, the root excluded
+    rows_tokens, rows_parents, rows_depth, index, fresh = [], [], [], [], []
+    for root, cands in zip(roots.tolist(), candidates):
+        toks, pars, deps, child = [root], [-1], [0], {}
+        for cand in cands:
+            node, ids, new = 0, [], []
+            for tok in cand:
+                nxt = child.get((node, tok)) if node >= 0 else -1
+                made = nxt is None
+                if made:
+                    if cap is not None and len(toks) > cap:  # the budget is spent: the rest of it is cut
+                        nxt, made = -1, False
+                    else:
+                        nxt = child[(node, tok)] = len(toks)
+                        toks.append(tok)
+                        pars.append(node)
+                        deps.append(deps[node] + 1)
+                node = nxt
+                ids.append(nxt)
+                new.append(made)
+            pad = longest - len(cand)
+            index.append(ids + [-1] * pad)
+            fresh.append(new + [False] * pad)
+        index.extend([[-1] * longest] * (num - len(cands)))
+        fresh.extend([[False] * longest] * (num - len(cands)))
+        rows_tokens.append(toks)
+        rows_parents.append(pars)
+        rows_depth.append(deps)
+    tree = tree_from_parents(roots, rows_tokens, rows_parents, rows_depth)
+    tree.candidate_index = torch.tensor(index, dtype=torch.long, device=roots.device).reshape(batch, num, longest)
+    tree.candidate_fresh = torch.tensor(fresh, dtype=torch.bool, device=roots.device).reshape(batch, num, longest)
+    return tree
+
+
 def _budgeted(fresh, owner, valid, sources, budget, max_nodes):
     """The fresh tokens kept under ``budget``: mandatory nodes first, then optional ones by P, as many as pay."""
     batch, num, length = owner.shape
@@ -241,8 +295,25 @@ def tree_from_parents(
     parents = torch.tensor([list(p) + [-1] * k for p, k in zip(rows_parents, pad)], device=device)
     depth = torch.tensor([list(d) + [0] * k for d, k in zip(rows_depth, pad)], device=device)
     max_depth = max((max(d) for d in rows_depth if len(d)), default=0)
+    mask = _ancestor_mask_on_host(rows_parents, width, device) if len(rows_tokens) * width <= HOST_PACK_TOKENS \
+        else ancestor_mask(parents, max_depth)
     return PackedTree(tokens, parents, depth, torch.tensor([len(t) for t in rows_tokens], device=device),
-                      ancestor_mask(parents, max_depth), q=q, _max_depth=max_depth)
+                      mask, q=q, _max_depth=max_depth)
+
+
+def _ancestor_mask_on_host(rows_parents: Sequence[Sequence[int]], width: int, device) -> torch.Tensor:
+    """:func:`ancestor_mask` from host parent lists in topological order (rows padded to ``width`` with filler):
+    each node's ancestors-or-self as the bits of a Python int (its parent's bits plus its own), unpacked at once."""
+    nbytes = (width + 7) // 8
+    chunks = []
+    for pars in rows_parents:
+        seen: list[int] = []
+        for v, p in enumerate(pars):
+            seen.append((seen[p] if p >= 0 else 0) | (1 << v))
+        seen.extend(1 << v for v in range(len(pars), width))  # filler: itself only
+        chunks.append(b"".join(x.to_bytes(nbytes, "little") for x in seen))
+    bits = np.frombuffer(b"".join(chunks), dtype=np.uint8).reshape(len(rows_parents), width, nbytes)
+    return torch.from_numpy(np.unpackbits(bits, axis=-1, count=width, bitorder="little").view(np.bool_)).to(device)
 
 
 def ancestor_mask(parents: torch.Tensor, max_depth: int) -> torch.Tensor:

@@ -86,6 +86,8 @@ class Verdict:
     tokens: torch.Tensor  # [batch, max_depth + 1] committed tokens (first num_accepted + 1 valid)
     choices: torch.Tensor  # [batch, nodes] the target's token after every node (greedy / matching);
     #                        under rejection sampling, the argmax of p off the accepted path
+    host: tuple[list[list[int]], list[int], list[list[int]]] | None = None  # (path, num_accepted, tokens) as
+    #                        host lists, when the walk ran on the host (readers then need no copy back)
 
 
 def match_prefix(
@@ -219,7 +221,7 @@ def _walk_on_host(tree, choices: torch.Tensor) -> Verdict:
         committed.append([toks[v] for v in path[1:]] + [ch[node]] + [0] * (depth_slots - len(path)))
         paths.append(path + [-1] * (depth_slots - len(path)))
     return Verdict(path=torch.tensor(paths, device=device), num_accepted=torch.tensor(nums, device=device),
-                   tokens=torch.tensor(committed, device=device), choices=choices)
+                   tokens=torch.tensor(committed, device=device), choices=choices, host=(paths, nums, committed))
 
 
 def verify_tree(tree, scores: torch.Tensor | None, do_sample: bool, q: torch.Tensor | None = None,
