@@ -92,3 +92,20 @@ def test_score_buffers_grow_with_the_output_not_with_max_new_tokens(monkeypatch)
     for a, b in zip(out.scores, ref.scores):  # same values up to float reassociation in the wider forward
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
     assert max(seen) <= 64  # about twice what was committed, not 100k x vocab per row
+
+
+@pytest.mark.parametrize("decoding,settings", [("jacobi", dict(block_size=8)), ("lookahead", {}),
+                                               ("prompt_lookup", {})])
+def test_logits_alone_are_returned_like_stock(decoding, settings):
+    """output_logits without output_scores: one logits tensor per emitted step, as stock returns them (emission
+    that decides on the host for the default length / EOS criteria must still keep them)."""
+    model = enabled("llama")
+    ids, mask = prompts(3, length=PROMPT_LEN)
+    kwargs = dict(input_ids=ids, attention_mask=mask, do_sample=False, output_logits=True, return_dict_in_generate=True,
+                  max_new_tokens=12)
+    out = model.generate(**kwargs, decoding=decoding, **settings)
+    ref = model.generate(**kwargs, decoding="stock")
+    assert torch.equal(out.sequences, ref.sequences) and out.scores is None
+    assert out.logits is not None and len(out.logits) == len(ref.logits) == out.sequences.shape[1] - PROMPT_LEN
+    for a, b in zip(out.logits, ref.logits):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)

@@ -69,11 +69,12 @@ class CommitLog:
         self._forwards = [0] * batch
         self._tensors: dict[str, torch.Tensor] = {}
         self._eos_set = set(self.eos_ids.tolist()) if self.eos_ids is not None else None
-        # criteria emission can decide on the host: exactly transformers' length / EOS criteria, EOS ids known
-        self._host_criteria = all(type(c) in (MaxLengthCriteria, EosTokenCriteria) for c in stopping_criteria) and (
-            not any(type(c) is EosTokenCriteria for c in stopping_criteria) or self._eos_set is not None) and all(
-            set(c.eos_token_id.reshape(-1).tolist()) == self._eos_set for c in stopping_criteria
-            if type(c) is EosTokenCriteria)
+        # emission can decide on the host when the criteria are exactly transformers' length / EOS ones (with the
+        # EOS ids known here); a score-reading criterion is another kind, so scores never matter to them
+        self._host_criteria = {type(c) for c in stopping_criteria} <= {MaxLengthCriteria, EosTokenCriteria} and all(
+            set(c.eos_token_id.reshape(-1).tolist()) == self._eos_set
+            for c in stopping_criteria if type(c) is EosTokenCriteria)
+        self._max_length = min((c.max_length for c in stopping_criteria if type(c) is MaxLengthCriteria), default=None)
         self.scores: list[torch.Tensor] | None = [] if output_scores else None
         self.logits: list[torch.Tensor] | None = [] if output_logits else None
         self._score_buf = self._logit_buf = None
@@ -142,11 +143,12 @@ class CommitLog:
 
         ``host``: the same three as host lists when the caller has them (then no tensor is read back)."""
         rows_l, tokens_l, num_l = host if host is not None else (rows.tolist(), new_tokens.tolist(), num_new.tolist())
-        starts = []
+        starts, taken = [], []
         for r, toks, n in zip(rows_l, tokens_l, num_l):
             start = self._count[r]
             n = max(min(n, self.max_new_tokens - start), 0)
             starts.append(start)
+            taken.append(n)
             kept = toks[:n]
             self._rows[r].extend(kept)
             if self._eos_set is not None and self._first_eos[r] == self.max_new_tokens:
@@ -160,7 +162,7 @@ class CommitLog:
             width = new_tokens.shape[1]
             start = self._long(starts)
             cols = torch.arange(width, device=new_tokens.device)
-            take = cols[None, :] < (self.count[rows] - start)[:, None]  # [active, width]
+            take = cols[None, :] < self._long(taken)[:, None]  # [active, width]
             pos = start[:, None] + cols[None, :]
             row_idx = rows[:, None].expand_as(pos)
             self._buffer("_score_buf", self.scores, scores, row_idx, pos, take)
@@ -199,29 +201,49 @@ class CommitLog:
         return min(min(counts, default=self.max_new_tokens), self.max_new_tokens)
 
     def emit(self) -> None:
-        """Emit every step that every row still writing has committed; update ``unfinished``."""
-        if self._host_criteria and self.scores is None:
-            return self._emit_on_host()
+        """Emit every step that every row still writing has committed; update ``unfinished``.
+
+        With transformers' own length / EOS criteria the stops are decided on the host lists and the
+        sequences grow once per call; any other criterion is called per step on the sequences so far, as
+        stock does."""
+        on_host = self._host_criteria
+        steps = []  # emitted this call, not yet in `sequences` (host decisions only)
         while any(self._unfinished) and self.emitted < self.max_new_tokens:
             t = self.emitted
             # with an EOS criterion a finished row's step is padding; without one stock keeps writing the
             # row's real tokens, so every row must have committed step t
             if self._ready() <= t:
-                return
-            step = self._long(self._step(t))
-            self.sequences = torch.cat([self.sequences, step[:, None]], dim=-1)
-            step_scores = self._score_buf[:, t] if self._score_buf is not None else None
+                break
+            step = self._step(t)
             if self.scores is not None:
-                self.scores.append(step_scores)
+                self.scores.append(self._score_buf[:, t] if self._score_buf is not None else None)
             if self.logits is not None:
                 self.logits.append(self._logit_buf[:, t])
             if self.streamer is not None:
-                self.streamer.put(step.cpu())
-            # like stock: the criteria get the tuple of every step's scores when they are kept, else None
-            all_scores = tuple(self.scores) if self.scores is not None else None
-            stopped = (self.unfinished & self.stopping_criteria(self.sequences, all_scores)).tolist()
+                self.streamer.put(self._long(step).cpu())
+            if on_host:
+                steps.append(step)
+                stopped = self._host_stops(step, t)
+            else:
+                self.sequences = torch.cat([self.sequences, self._long(step)[:, None]], dim=-1)
+                # like stock: the criteria get the tuple of every step's scores when they are kept, else None
+                all_scores = tuple(self.scores) if self.scores is not None else None
+                stopped = (self.unfinished & self.stopping_criteria(self.sequences, all_scores)).tolist()
             self._stop(stopped, t)
             self.emitted += 1
+        if steps:
+            self.sequences = torch.cat([self.sequences, self._long(steps).reshape(len(steps), -1).T], dim=-1)
+            for c in self.stopping_criteria:  # the length criterion's warning past max_position_embeddings
+                if type(c) is MaxLengthCriteria and c.max_position_embeddings is not None:
+                    c(self.sequences, None)
+
+    def _host_stops(self, step: list[int], t: int) -> list[bool]:
+        """The rows transformers' length / EOS criteria stop after step ``t`` (unfinished rows only)."""
+        if self._max_length is not None and self.prompt_len + t + 1 >= self._max_length:
+            return list(self._unfinished)
+        if self._eos_set is not None:
+            return [u and tok in self._eos_set for u, tok in zip(self._unfinished, step)]
+        return [False] * len(step)
 
     def _step(self, t: int) -> list[int]:
         """Step ``t``'s token of every row (a finished row's is padding when there is an EOS criterion)."""
@@ -236,34 +258,6 @@ class CommitLog:
                     self._finished_at[r] = t + 1
                     self._unfinished[r] = False
             self._tensors.clear()
-
-    def _emit_on_host(self) -> None:
-        """:meth:`emit` for transformers' own length / EOS criteria: the same steps, padding and finished rows,
-        decided on host lists; the sequences grow by one concatenation per call."""
-        steps = []
-        max_length = min((c.max_length for c in self.stopping_criteria if type(c) is MaxLengthCriteria), default=None)
-        while any(self._unfinished) and self.emitted < self.max_new_tokens:
-            t = self.emitted
-            if self._ready() <= t:
-                break
-            step = self._step(t)
-            steps.append(step)
-            if self.streamer is not None:
-                self.streamer.put(self._long(step).cpu())
-            if max_length is not None and self.prompt_len + t + 1 >= max_length:
-                stopped = list(self._unfinished)
-            elif self._eos_set is not None:
-                stopped = [u and tok in self._eos_set for u, tok in zip(self._unfinished, step)]
-            else:
-                stopped = [False] * len(step)
-            self._stop(stopped, t)
-            self.emitted += 1
-        if steps:
-            block = self._long(steps).reshape(len(steps), -1).T
-            self.sequences = torch.cat([self.sequences, block], dim=-1)
-            for c in self.stopping_criteria:  # the length criterion's warning past max_position_embeddings
-                if type(c) is MaxLengthCriteria and c.max_position_embeddings is not None:
-                    c(self.sequences, None)
 
     @property
     def done(self) -> bool:
