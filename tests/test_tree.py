@@ -230,3 +230,29 @@ def test_host_ancestor_mask_equals_pointer_doubling_on_deep_wide_trees():
             rows.append([-1] + [rng.randrange(v) for v in range(1, n)])  # parents before children
         padded = torch.tensor([p + [-1] * (width - len(p)) for p in rows])
         assert torch.equal(_ancestor_mask_on_host(rows, width, "cpu"), ancestor_mask(padded, width))
+
+
+def test_ancestor_mask_equals_a_parent_walk_across_bitset_word_boundaries():
+    import random
+
+    from hf_paralleldecode.decoding.tree import _unpack_bits, _unpack_bits_on_device, ancestor_mask
+
+    rng = random.Random(5)
+    for width in (1, 2, 63, 64, 65, 127, 128, 129, 200):
+        rows = [[-1] + list(range(width - 1))]  # one chain as deep as the tree is wide
+        for _ in range(3):
+            n = rng.randint(1, width)
+            rows.append([-1] + [rng.randrange(max(0, v - 3), v) for v in range(1, n)])  # deep, some branching
+        padded = torch.tensor([p + [-1] * (width - len(p)) for p in rows])
+        mask = ancestor_mask(padded, width)
+        assert mask.shape == (len(rows), width, width) and mask.dtype == torch.bool
+        for b, pars in enumerate(padded.tolist()):
+            for i in range(width):
+                seen, j = {i}, i
+                while pars[j] >= 0:
+                    j = pars[j]
+                    seen.add(j)
+                assert set(mask[b, i].nonzero().flatten().tolist()) == seen
+        # the accelerator's unpacking gives the same bits as the CPU's
+        bits = torch.tensor([[rng.getrandbits(64) - (1 << 63) for _ in range((width + 63) // 64)] for _ in range(5)])
+        assert torch.equal(_unpack_bits(bits, width), _unpack_bits_on_device(bits, width))

@@ -33,8 +33,12 @@ __all__ = ["SlotCache", "prepare_cache", "additive_mask"]
 
 def additive_mask(masks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``[batch, 1, queries, keys]`` additive float mask (0 / dtype min) from boolean ``[batch, queries, keys]``."""
-    out = torch.zeros(masks.shape, dtype=dtype, device=masks.device)
-    return out.masked_fill_(~masks, torch.finfo(dtype).min)[:, None]
+    return _additive(masks, dtype)[:, None]
+
+
+def _additive(masks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Bool (True = may attend) -> 0 / ``dtype`` min, in ``dtype``, in one pass."""
+    return torch.where(masks, torch.zeros((), dtype=dtype, device=masks.device), torch.finfo(dtype).min)
 
 
 def prepare_cache(model, past_key_values, max_length: int) -> DynamicCache:
@@ -110,10 +114,13 @@ class SlotCache:
         ``intra`` is ``[batch, width, width]`` or ``[width, width]`` (bool, True = may attend) among
         the new slots; every query must at least see itself so that no attention row is empty.
         """
-        batch, width = self.valid.shape[0], intra.shape[-1]
-        past = self.valid[:, None, :].expand(batch, width, self.num_slots)
-        intra = intra.expand(batch, width, width)
-        return additive_mask(torch.cat([past, intra], dim=-1), self.dtype)  # [batch, 1, width, slots + width]
+        batch, width, slots = self.valid.shape[0], intra.shape[-1], self.num_slots
+        # written by parts: each row's committed slots once, never a [batch, width, slots] bool in between
+        out = torch.empty(batch, 1, width, slots + width, dtype=self.dtype, device=self.valid.device)
+        out[..., :slots] = _additive(self.valid, self.dtype)[:, None, None, :]
+        new = _additive(intra.to(self.valid.device), self.dtype)
+        out[..., slots:] = new[:, None] if new.dim() == 3 else new
+        return out  # [batch, 1, width, slots + width]
 
     def commit(self, keep: torch.Tensor) -> None:
         """Record which of the slots the last forward appended each row keeps (``keep: [batch, width]``).

@@ -7,29 +7,28 @@ row; a pool lives for the whole ``generate`` call (it survives block boundaries)
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Sequence
 
 __all__ = ["NgramPool"]
 
 
 class NgramPool:
-    """Per-row maps ``first token -> up to max_per_key continuations`` (each a tuple of tokens)."""
+    """Per-row maps ``first token -> up to max_per_key continuations`` (each a tuple of tokens).
+
+    A key's continuations are a plain list, least recently used first: with a handful per key, a
+    list's equality scan is cheaper than hashing long tuples into an ordered dict (rejection
+    recycling inserts every window of a 64-token chain per row per step).
+    """
 
     def __init__(self, batch_size: int, max_per_key: int):
         self.max_per_key = max_per_key
-        self._pools: list[dict[int, OrderedDict]] = [{} for _ in range(batch_size)]
+        self._pools: list[dict[int, list[tuple[int, ...]]]] = [{} for _ in range(batch_size)]
 
     def add(self, row: int, key: int, continuation: Sequence[int]) -> None:
         """Insert (or refresh) ``continuation`` under ``key``; evict the least recently used beyond the cap."""
         if self.max_per_key <= 0 or not continuation:
             return
-        entries = self._pools[row].setdefault(int(key), OrderedDict())
-        cont = tuple(int(t) for t in continuation)
-        entries.pop(cont, None)
-        entries[cont] = None
-        while len(entries) > self.max_per_key:
-            entries.popitem(last=False)
+        self._insert(self._pools[row], int(key), tuple(int(t) for t in continuation))
 
     def add_sequence(self, row: int, tokens: Sequence[int], n: int) -> None:
         """Insert every n-gram of ``tokens`` (key = its first token, continuation = the other n - 1)."""
@@ -43,24 +42,28 @@ class NgramPool:
         the per-step hot path of rejection recycling, so it avoids per-token conversions."""
         if self.max_per_key <= 0:
             return
-        pool, cap = self._pools[row], self.max_per_key
+        pool, insert = self._pools[row], self._insert
         seq = tuple(tokens)
         for j in range(start, len(seq) - 1):
-            entries = pool.get(seq[j])
-            if entries is None:
-                entries = pool[seq[j]] = OrderedDict()
-            cont = seq[j + 1 : j + n]
-            entries.pop(cont, None)
-            entries[cont] = None
-            if len(entries) > cap:
-                entries.popitem(last=False)
+            insert(pool, seq[j], seq[j + 1 : j + n])
+
+    def _insert(self, pool: dict, key: int, cont: tuple[int, ...]) -> None:
+        entries = pool.get(key)
+        if entries is None:
+            pool[key] = [cont]
+            return
+        if cont in entries:
+            entries.remove(cont)
+        entries.append(cont)
+        if len(entries) > self.max_per_key:
+            del entries[0]
 
     def get(self, row: int, key: int, limit: int | None = None) -> list[tuple[int, ...]]:
         """Continuations stored under ``key``, most recently used first."""
         entries = self._pools[row].get(int(key))
         if not entries:
             return []
-        out = list(reversed(entries))
+        out = entries[::-1]
         return out if limit is None else out[:limit]
 
     def size(self, row: int) -> int:
