@@ -134,6 +134,7 @@ class DecodeRun:
         self.rows = rows  # [active] original row ids of the rows still decoding
         self.target = TargetForward(model)
         self.stats: dict = {}
+        self._prompt_lists: list[list[int]] | None = None  # each row's real prompt tokens (sample_context_lists)
 
     @property
     def num_forward_passes(self) -> int:
@@ -213,19 +214,29 @@ class DecodeRun:
         return self.slots.num_valid + self.position_offset[self.rows]
 
     def sample_context(self, k: int, generator: torch.Generator) -> torch.Tensor:
-        """``[active, k]`` tokens drawn uniformly from each active row's context.
+        """``[active, k]`` tokens drawn uniformly from each active row's context (:meth:`sample_context_lists`)."""
+        return torch.tensor(self.sample_context_lists(k, generator), dtype=torch.long,
+                            device=self.rows.device).reshape(self.rows.shape[0], k)
+
+    def sample_context_lists(self, k: int, generator: torch.Generator) -> list[list[int]]:
+        """``k`` tokens drawn uniformly from each active row's context, as host lists (what the proposers keep).
 
         The context is the row's prompt without padding plus its committed tokens; ``generator``
-        (CPU) makes the draw reproducible.
+        (CPU) makes the draw reproducible: one ``[active, k]`` uniform draw per call.
         """
-        rows = self.rows
-        plen = self.prompt_lengths[rows]
-        u = torch.rand(rows.shape[0], k, generator=generator).to(rows.device)
-        pick = (u * (plen + self.log.count[rows])[:, None]).long()  # index into [valid prompt tokens, committed]
-        width = self.prompt.shape[1]
-        index = torch.where(pick < plen[:, None], pick, width + pick - plen[:, None])
-        context = torch.cat([self.packed_prompt[rows], self.log.tokens[rows]], dim=1)
-        return context.gather(1, index.clamp(max=context.shape[1] - 1))
+        rows = self.rows.tolist()
+        if self._prompt_lists is None:
+            lengths = self.prompt_lengths.tolist()
+            self._prompt_lists = [p[:n] for p, n in zip(self.packed_prompt.tolist(), lengths)]
+        prompts = [self._prompt_lists[r] for r in rows]
+        totals = [len(p) + c for p, c in zip(prompts, self.log.host_counts(rows))]
+        u = torch.rand(len(rows), k, generator=generator)
+        picks = (u * torch.tensor(totals, dtype=torch.float32)[:, None]).long().tolist()
+        out = []
+        for r, prompt, total, pick in zip(rows, prompts, totals, picks):
+            committed, plen = self.log.host_tokens(r), len(prompt)
+            out.append([prompt[p] if p < plen else committed[min(p, total - 1) - plen] for p in pick])
+        return out
 
     # ---- row management -------------------------------------------------------------------------
     def drop_finished(self) -> torch.Tensor | None:

@@ -104,7 +104,7 @@ class MultiblockProposer(ComposedTreeProposer):
         self.ends: dict[int, list[int]] = {}
         self.root_pos: dict[int, int] = {}
         self._stats = dict(blocks_activated=0, recycled_wins=0)
-        fills = run.sample_context(n, self.generator).tolist()
+        fills = run.sample_context_lists(n, self.generator)
         for i, r in enumerate(run.rows.tolist()):
             self.chain[r] = [int(run.log.tokens[r, 0])]
             self.root_pos[r] = 0
@@ -134,7 +134,7 @@ class MultiblockProposer(ComposedTreeProposer):
         for i, r in enumerate(self.run.rows.tolist()):
             chain = self.chain[r]
             found = context[i]
-            guesses = [list(g) for g in self.pool.get(r, chain[0], self.pool_size)] if self.pool_size else []
+            guesses = self.pool.get(r, chain[0], self.pool_size) if self.pool_size else []
             room = self._limit(r) - counts[i]  # a depth-d path commits d + 1 tokens
             roots.append(chain[0])
             cands.append([c[:room] for c in [chain[1:]] + found + guesses])
@@ -144,10 +144,11 @@ class MultiblockProposer(ComposedTreeProposer):
     def update(self, tree, verdict) -> None:
         choices_l, committed = verdict.choices.tolist(), verdict.tokens.tolist()
         counts = (verdict.num_accepted + 1).tolist()
-        fills = self.run.sample_context(self.n, self.generator).tolist()
+        fills = self.run.sample_context_lists(self.n, self.generator)
+        chain_nodes = tree.candidate_index[:, 0].tolist()  # the chain is candidate 0 (only its nodes are read)
         for i, r in enumerate(self.run.rows.tolist()):
             old = self.chain[r]
-            nodes = [0] + tree.candidate_nodes[i][0]  # main-chain node of each chain position
+            nodes = [0] + [m for m in chain_nodes[i] if m >= 0]  # main-chain node of each chain position
             update = [choices_l[i][m] for m in nodes]  # update[j] = Jacobi guess for chain position j + 1
             old_root_pos = self.root_pos[r]
             a = min(counts[i], self._limit(r) - 1 - old_root_pos)  # committed this step (the new root is the bonus)

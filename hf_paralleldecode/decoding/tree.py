@@ -121,8 +121,13 @@ def pack_trees(
         return _pack_on_host(roots, candidates, max_nodes)
     num = max((len(c) for c in candidates), default=0)
     longest = max((len(x) for c in candidates for x in c), default=0)
-    lengths = [[len(x) for x in c] + [0] * (num - len(c)) for c in candidates]
-    padded = [[list(x) + [0] * (longest - len(x)) for x in c] + [[0] * longest] * (num - len(c)) for c in candidates]
+    # padded in numpy row by row: several times faster than torch.tensor() of nested lists
+    padded = np.zeros((batch, num, longest), dtype=np.int64)
+    lengths = np.zeros((batch, num), dtype=np.int64)
+    for b, cands in enumerate(candidates):
+        for m, x in enumerate(cands):
+            padded[b, m, : len(x)] = x
+            lengths[b, m] = len(x)
     device = roots.device
     source_ids = None
     if budget is not None:
@@ -130,8 +135,7 @@ def pack_trees(
             raise ValueError("pack_trees with a budget needs one source id per candidate.")
         source_ids = torch.tensor([budget.keys(x) + [0] * (num - len(x)) for x in sources], dtype=torch.long,
                                   device=device).reshape(batch, num)
-    return pack_candidates(roots, torch.tensor(padded, dtype=torch.long, device=device).reshape(batch, num, longest),
-                           torch.tensor(lengths, dtype=torch.long, device=device).reshape(batch, num), max_nodes,
+    return pack_candidates(roots, torch.from_numpy(padded).to(device), torch.from_numpy(lengths).to(device), max_nodes,
                            source_ids, budget)
 
 
