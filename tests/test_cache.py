@@ -83,3 +83,47 @@ def test_attention_mask_is_additive_in_model_dtype_and_never_empty():
     assert m.shape == (2, 1, 2, 5) and m.dtype == torch.bfloat16
     assert m[0, 0, 0, 0] == torch.finfo(torch.bfloat16).min and m[0, 0, 0, 1] == 0
     assert (m == 0).any(-1).all()  # every query attends to something
+
+
+def test_commit_from_host_lists_equals_commit_from_the_keep_table():
+    """``commit_kept`` (host lists, no device read) leaves the same KV, valid table and compactions as ``commit``."""
+    import random
+
+    rng = random.Random(7)
+    compacted = 0
+    for trial in range(40):
+        batch, heads, dim = rng.randint(1, 4), 2, 3
+        start = torch.rand(batch, rng.randint(1, 5)) > 0.3
+        start[:, -1] = True
+        caches = []
+        for _ in range(2):
+            cache = DynamicCache()
+            g = torch.Generator().manual_seed(trial)
+            k = torch.randn(batch, heads, start.shape[1], dim, generator=g)
+            cache.update(k, k + 1, 0)
+            slots = SlotCache(cache, start, torch.float32)
+            slots.compact_min_holes = 2
+            caches.append(slots)
+        for step in range(6):
+            width = rng.randint(1, 6)
+            g = torch.Generator().manual_seed(100 * trial + step)
+            k = torch.randn(batch, heads, width, dim, generator=g)
+            kept = []
+            for _ in range(batch):
+                nodes = [0] + sorted(rng.sample(range(1, width), rng.randint(0, width - 1)))
+                kept.append(nodes if rng.random() < 0.5 else list(range(len(nodes))))  # scattered or a prefix
+            keep = torch.zeros(batch, width, dtype=torch.bool)
+            for b, nodes in enumerate(kept):
+                keep[b, nodes] = True
+            for slots in caches:
+                slots.cache.update(k, k + 1, 0)
+            caches[0].commit(keep)
+            caches[1].commit_kept(kept, width)
+            a, b = caches
+            assert torch.equal(a.valid, b.valid) and a.num_compactions == b.num_compactions
+            assert b.host_num_valid() == a.num_valid.tolist()
+            la, lb = a.cache.layers[0], b.cache.layers[0]
+            assert torch.equal(la.keys[a.valid[:, None, :, None].expand_as(la.keys)],
+                               lb.keys[b.valid[:, None, :, None].expand_as(lb.keys)])
+        compacted += a.num_compactions > 0
+    assert compacted  # holes were compacted on the way in some trials

@@ -193,13 +193,16 @@ class DecodeRun:
                 kept[name] = values.gather(1, idx[..., None].expand(-1, -1, values.shape[-1]))
         host = None
         if verdict.host is not None:
-            _, nums, committed = verdict.host
+            paths, nums, committed = verdict.host
             host = (self.rows.tolist(), committed, [n + 1 for n in nums])
         self.log.add(self.rows, verdict.tokens, num + 1, kept.get("scores"), kept.get("logits"), host=host)
-        keep = torch.zeros(verdict.choices.shape[:2], dtype=torch.bool, device=path.device)
-        keep.scatter_(1, idx, path >= 0)
-        keep[:, 0] = True  # the root (the last committed token) always gets its KV
-        self.slots.commit(keep)
+        if verdict.host is not None:  # the path's nodes increase (parents before children) and start at the root
+            self.slots.commit_kept([[v for v in p if v >= 0] for p in paths], verdict.choices.shape[1])
+        else:
+            keep = torch.zeros(verdict.choices.shape[:2], dtype=torch.bool, device=path.device)
+            keep.scatter_(1, idx, path >= 0)
+            keep[:, 0] = True  # the root (the last committed token) always gets its KV
+            self.slots.commit(keep)
         self.log.emit()
 
     def histories(self) -> list[torch.Tensor]:

@@ -101,6 +101,22 @@ class SlotCache:
         self.num_compactions = 0
 
     @property
+    def valid(self) -> torch.Tensor:
+        return self._valid
+
+    @valid.setter
+    def valid(self, value: torch.Tensor) -> None:
+        self._valid = value
+        self._host_num_valid = None  # read again from the table when next asked
+
+    def host_num_valid(self) -> list[int]:
+        """``num_valid`` as host ints: read once after the table is replaced, then kept up to date by
+        :meth:`commit` (do not modify)."""
+        if self._host_num_valid is None:
+            self._host_num_valid = self._valid.sum(-1).tolist()
+        return self._host_num_valid
+
+    @property
     def num_slots(self) -> int:
         return self.valid.shape[1]
 
@@ -140,13 +156,31 @@ class SlotCache:
         # one host read for the three decisions below
         scattered, last, longest = torch.stack(
             [(keep != as_prefix).any().long(), counts.max(), (self.num_valid + counts).max()]).tolist() if counts.numel() else (0, 0, 0)
-        if scattered:
-            order = (~keep).long().argsort(dim=1, stable=True)  # kept slots first, in order
+        order = (~keep).long().argsort(dim=1, stable=True) if scattered else None  # kept slots first, in order
+        self._append(order, as_prefix[:, :last], width, longest)
+
+    def commit_kept(self, kept: list[list[int]], width: int) -> None:
+        """:meth:`commit` from host lists: ``kept[row]`` are the slots row keeps among the ``width`` new ones,
+        increasing. Every decision is taken on the host (no device read)."""
+        counts = [len(k) for k in kept]
+        last = max(counts, default=0)
+        after = [n + c for n, c in zip(self.host_num_valid(), counts)]
+        order = None
+        if any(k and k[-1] != len(k) - 1 for k in kept):  # increasing: a prefix ends at len - 1
+            order = torch.tensor([k + sorted(set(range(width)).difference(k)) for k in kept], dtype=torch.long,
+                                 device=self._valid.device)
+        new = torch.tensor([[j < c for j in range(last)] for c in counts], dtype=torch.bool,
+                           device=self._valid.device).reshape(len(counts), last)
+        self._append(order, new, width, max(after, default=0))
+        self._host_num_valid = after
+
+    def _append(self, order: torch.Tensor | None, new: torch.Tensor, width: int, longest: int) -> None:
+        """The rest of a commit: move kept slots first (``order``), crop to ``new``'s width, extend the table."""
+        if order is not None:
             self._regather(order, start=self.num_slots)
-            keep = as_prefix
-        if last < width:
-            self.cache.crop(-(width - last))
-        self.valid = torch.cat([self.valid, keep[:, :last]], dim=1)
+        if new.shape[1] < width:
+            self.cache.crop(-(width - new.shape[1]))
+        self.valid = torch.cat([self._valid, new], dim=1)
         if self.cache.get_seq_length() != self.num_slots:
             raise RuntimeError(
                 f"KV cache length {self.cache.get_seq_length()} out of sync with {self.num_slots} tracked slots."
@@ -176,7 +210,7 @@ class SlotCache:
     def _holes_worth_compacting(self, longest: int | None = None) -> bool:
         """``longest``: the longest row's valid slots, when the caller has read it already."""
         if longest is None:
-            longest = int(self.num_valid.max()) if self.valid.shape[0] else 0
+            longest = max(self.host_num_valid(), default=0)
         return self.num_slots - longest > max(self.compact_min_holes, self.compact_ratio * longest)
 
     def compact(self) -> None:
