@@ -111,7 +111,8 @@ def test_commit_from_host_lists_equals_commit_from_the_keep_table():
             kept = []
             for _ in range(batch):
                 nodes = [0] + sorted(rng.sample(range(1, width), rng.randint(0, width - 1)))
-                kept.append(nodes if rng.random() < 0.5 else list(range(len(nodes))))  # scattered or a prefix
+                kind = rng.random()  # scattered, a prefix, or (rarely) nothing kept
+                kept.append(nodes if kind < 0.45 else list(range(len(nodes))) if kind < 0.9 else [])
             keep = torch.zeros(batch, width, dtype=torch.bool)
             for b, nodes in enumerate(kept):
                 keep[b, nodes] = True

@@ -238,6 +238,7 @@ def test_ancestor_mask_equals_a_parent_walk_across_bitset_word_boundaries():
     from hf_paralleldecode.decoding.tree import _unpack_bits, _unpack_bits_on_device, ancestor_mask
 
     rng = random.Random(5)
+    assert ancestor_mask(torch.zeros(0, 70, dtype=torch.long) - 1, 70).shape == (0, 70, 70)  # an empty batch
     for width in (1, 2, 63, 64, 65, 127, 128, 129, 200):
         rows = [[-1] + list(range(width - 1))]  # one chain as deep as the tree is wide
         for _ in range(3):

@@ -215,7 +215,7 @@ class SlotCache:
 
     def compact(self) -> None:
         """Move each row's valid slots to the right end of the cache (order kept), dropping holes."""
-        longest = int(self.num_valid.max())
+        longest = max(self.host_num_valid(), default=0)
         if longest == self.num_slots:
             return
         order = torch.arange(self.num_slots, device=self.valid.device)

@@ -93,7 +93,7 @@ class LookaheadProposer(ComposedTreeProposer):
             levels = self.levels[r]
             window = [levels[0][: c + 1] + [lv[c] for lv in levels[1:]] for c in range(self.W)]
             found = context[i]
-            guesses = [list(g) for g in self.pool.get(r, root, self.G)]
+            guesses = self.pool.get(r, root, self.G)
             roots.append(root)
             cands.append([c[:max_depth] for c in window + found + guesses])
             sources.append([GUESSES] * len(window) + [CONTEXT] * len(found) + [POOL] * len(guesses))

@@ -20,6 +20,7 @@ What it deliberately does not know
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -341,7 +342,7 @@ def ancestor_mask(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
     word = torch.arange(words, device=device)
     reach = 1
     while reach < max_depth:
-        bits = bits | bits.gather(1, (jump[..., None] * words + word).reshape(batch, -1))
+        bits = bits | bits.gather(1, (jump[..., None] * words + word).reshape(batch, width * words))
         jump = jump.gather(1, jump)
         reach *= 2
     return _unpack_bits(bits.reshape(batch, width, words), width)
@@ -350,9 +351,13 @@ def ancestor_mask(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
 def _unpack_bits(bits: torch.Tensor, width: int) -> torch.Tensor:
     """``[..., words]`` int64 bitsets (bit ``j`` of word ``w`` = column ``64 w + j``) -> ``[..., width]`` bool.
 
-    Read through a byte view, so this assumes a little-endian machine (x86, ARM, CUDA devices)."""
+    Read through a byte view: on a CPU the words are put in little-endian byte order first (a no-op on
+    x86 and ARM); accelerators are little-endian."""
     if bits.device.type == "cpu":
-        out = np.unpackbits(bits.view(torch.uint8).numpy(), axis=-1, count=width, bitorder="little")
+        words = bits.numpy()
+        if sys.byteorder != "little":
+            words = words.byteswap()
+        out = np.unpackbits(words.view(np.uint8), axis=-1, count=width, bitorder="little")
         return torch.from_numpy(out.view(np.bool_))
     return _unpack_bits_on_device(bits, width)
 
