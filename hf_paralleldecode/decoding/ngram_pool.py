@@ -28,7 +28,7 @@ class NgramPool:
         """Insert (or refresh) ``continuation`` under ``key``; evict the least recently used beyond the cap."""
         if self.max_per_key <= 0 or not continuation:
             return
-        self._insert(self._pools[row], int(key), tuple(int(t) for t in continuation))
+        self.add_windows(row, (int(key), *(int(t) for t in continuation)), len(continuation) + 1, stop=1)
 
     def add_sequence(self, row: int, tokens: Sequence[int], n: int) -> None:
         """Insert every n-gram of ``tokens`` (key = its first token, continuation = the other n - 1)."""
@@ -36,27 +36,25 @@ class NgramPool:
         for i in range(len(tokens) - n + 1):
             self.add(row, tokens[i], tokens[i + 1 : i + n])
 
-    def add_windows(self, row: int, tokens: Sequence[int], n: int, start: int = 0) -> None:
-        """``add(row, tokens[j], tokens[j + 1 : j + n])`` for every ``j >= start`` with a non-empty
-        continuation, in order (tail windows are shorter). ``tokens`` must hold Python ints; this is
-        the per-step hot path of rejection recycling, so it avoids per-token conversions."""
+    def add_windows(self, row: int, tokens: Sequence[int], n: int, start: int = 0, stop: int | None = None) -> None:
+        """``add(row, tokens[j], tokens[j + 1 : j + n])`` for every ``start <= j < stop`` (default: every ``j``
+        with a non-empty continuation), in order (tail windows are shorter). ``tokens`` must hold Python ints;
+        this is the per-step hot path of rejection recycling, so it avoids per-token conversions and calls."""
         if self.max_per_key <= 0:
             return
-        pool, insert = self._pools[row], self._insert
+        pool, cap = self._pools[row], self.max_per_key
         seq = tuple(tokens)
-        for j in range(start, len(seq) - 1):
-            insert(pool, seq[j], seq[j + 1 : j + n])
-
-    def _insert(self, pool: dict, key: int, cont: tuple[int, ...]) -> None:
-        entries = pool.get(key)
-        if entries is None:
-            pool[key] = [cont]
-            return
-        if cont in entries:
-            entries.remove(cont)
-        entries.append(cont)
-        if len(entries) > self.max_per_key:
-            del entries[0]
+        for j in range(start, len(seq) - 1 if stop is None else stop):
+            cont = seq[j + 1 : j + n]
+            entries = pool.get(seq[j])
+            if entries is None:
+                pool[seq[j]] = [cont]
+                continue
+            if cont in entries:
+                entries.remove(cont)
+            entries.append(cont)
+            if len(entries) > cap:
+                del entries[0]
 
     def get(self, row: int, key: int, limit: int | None = None) -> list[tuple[int, ...]]:
         """Continuations stored under ``key``, most recently used first."""
