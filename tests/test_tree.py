@@ -116,16 +116,22 @@ def _reference_trie(root, candidates, max_nodes):
     return toks, pars, deps, cand_nodes
 
 
-def test_vectorised_packing_equals_sequential_trie_insertion():
+def _random_candidates(seed: int, count: int, longest: int, budgets: list):
+    """``count`` random packing cases ``(batch, roots, candidates, node budget)``: 1 to 4 rows of up to 5
+    candidates of 0 to ``longest`` tokens from a 3-token alphabet (so prefixes are shared often)."""
     import random
 
-    rng = random.Random(0)
-    for _ in range(200):
+    rng = random.Random(seed)
+    for _ in range(count):
         batch = rng.randint(1, 4)
-        cands = [[[rng.randrange(3) for _ in range(rng.randint(0, 6))] for _ in range(rng.randint(0, 5))]
+        cands = [[[rng.randrange(3) for _ in range(rng.randint(0, longest))] for _ in range(rng.randint(0, 5))]
                  for _ in range(batch)]
         roots = torch.tensor([rng.randrange(9) for _ in range(batch)])
-        budget = rng.choice([None, 1, 2, 3, 5, 8])
+        yield batch, roots, cands, rng.choice(budgets)
+
+
+def test_vectorised_packing_equals_sequential_trie_insertion():
+    for batch, roots, cands, budget in _random_candidates(seed=0, count=200, longest=6, budgets=[None, 1, 2, 3, 5, 8]):
         tree = pack_trees(roots, cands, budget)
         walk, num = walk_tree(tree, torch.randint(0, 3, tree.tokens.shape))  # runs on every shape
         assert walk.shape == (batch, tree.max_depth + 1) and num.shape == (batch,)
@@ -194,17 +200,9 @@ def test_host_walk_of_small_trees_equals_the_vectorised_walk(monkeypatch):
 def test_host_packing_of_small_trees_equals_the_vectorised_packing(monkeypatch):
     """Small trees are packed in Python (a trie of dicts, a bitset ancestor mask); every field must equal the
     vectorised packing's, budget cuts and empty rows included."""
-    import random
-
     from hf_paralleldecode.decoding import tree as tree_mod
 
-    rng = random.Random(3)
-    for _ in range(300):
-        batch = rng.randint(1, 4)
-        cands = [[[rng.randrange(3) for _ in range(rng.randint(0, 7))] for _ in range(rng.randint(0, 5))]
-                 for _ in range(batch)]
-        roots = torch.tensor([rng.randrange(9) for _ in range(batch)])
-        budget = rng.choice([None, 1, 2, 3, 5, 8, 40])
+    for _, roots, cands, budget in _random_candidates(seed=3, count=300, longest=7, budgets=[None, 1, 2, 3, 5, 8, 40]):
         monkeypatch.setattr(tree_mod, "HOST_PACK_TOKENS", 10**9)
         host = pack_trees(roots, cands, budget)
         monkeypatch.setattr(tree_mod, "HOST_PACK_TOKENS", -1)

@@ -134,7 +134,7 @@ class DecodeRun:
         self.rows = rows  # [active] original row ids of the rows still decoding
         self.target = TargetForward(model)
         self.stats: dict = {}
-        self._prompt_lists: list[list[int]] | None = None  # each row's real prompt tokens (sample_context_lists)
+        self._prompt_lists: list[list[int]] | None = None  # see prompt_tokens
 
     @property
     def num_forward_passes(self) -> int:
@@ -216,6 +216,12 @@ class DecodeRun:
         """``[active]`` position id of each active row's next token (continues the prompt's ids)."""
         return self.slots.num_valid + self.position_offset[self.rows]
 
+    def prompt_tokens(self, row: int) -> list[int]:
+        """Original row ``row``'s real prompt tokens (padding dropped, in order), as a host list (do not modify)."""
+        if self._prompt_lists is None:
+            self._prompt_lists = [p[:n] for p, n in zip(self.packed_prompt.tolist(), self.prompt_lengths.tolist())]
+        return self._prompt_lists[row]
+
     def sample_context(self, k: int, generator: torch.Generator) -> torch.Tensor:
         """``[active, k]`` tokens drawn uniformly from each active row's context (:meth:`sample_context_lists`)."""
         return torch.tensor(self.sample_context_lists(k, generator), dtype=torch.long,
@@ -228,10 +234,7 @@ class DecodeRun:
         (CPU) makes the draw reproducible: one ``[active, k]`` uniform draw per call.
         """
         rows = self.rows.tolist()
-        if self._prompt_lists is None:
-            lengths = self.prompt_lengths.tolist()
-            self._prompt_lists = [p[:n] for p, n in zip(self.packed_prompt.tolist(), lengths)]
-        prompts = [self._prompt_lists[r] for r in rows]
+        prompts = [self.prompt_tokens(r) for r in rows]
         totals = [len(p) + c for p, c in zip(prompts, self.log.host_counts(rows))]
         u = torch.rand(len(rows), k, generator=generator)
         picks = (u * torch.tensor(totals, dtype=torch.float32)[:, None]).long().tolist()

@@ -182,12 +182,8 @@ class CommitLog:
             setattr(self, name, buf)
         buf[row_idx[take], pos[take]] = values[take]
 
-    def needs_work(self) -> torch.Tensor:
-        """``[batch]`` bool: rows whose continuation can still appear in the output."""
-        return torch.tensor(self.host_needs_work(), dtype=torch.bool, device=self.device)
-
     def host_needs_work(self) -> list[bool]:
-        """:meth:`needs_work` as host bools."""
+        """Per row: whether its continuation can still appear in the output."""
         m = self.max_new_tokens
         if not self.has_eos_criteria:
             # Stock keeps generating real tokens for finished rows until every row has finished.

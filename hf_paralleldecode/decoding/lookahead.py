@@ -70,7 +70,7 @@ class LookaheadProposer(ComposedTreeProposer):
         self.pool = NgramPool(batch, max_per_key=guesses)
         if pool_from_prompt and guesses > 0:
             for r in range(batch):
-                tokens = run.prompt[r][run.prompt_mask[r]].tolist() + run.log.tokens[r, :1].tolist()
+                tokens = run.prompt_tokens(r) + run.log.host_tokens(r)[:1]
                 self.pool.add_sequence(r, tokens, ngram)
         fill = run.sample_context_lists(window, self.generator)
         self.levels: dict[int, list[list[int]]] = {r: [fill[i]] for i, r in enumerate(run.rows.tolist())}

@@ -114,8 +114,7 @@ class ContextNgrams:
         self.run = run
         self.num_tokens, self.max_ngram, self.max_matches = num_tokens, max_ngram_size, max_matches
         self.steps = self.matched = 0
-        self.index = {r: NgramIndex(run.packed_prompt[r, : int(run.prompt_lengths[r])].tolist(), max_ngram_size)
-                      for r in range(run.prompt.shape[0])}
+        self.index = {r: NgramIndex(run.prompt_tokens(r), max_ngram_size) for r in range(run.prompt.shape[0])}
         self.fed = {r: 0 for r in self.index}  # committed tokens already in each row's index
 
     def candidates(self, counts: list[int]) -> list[list[list[int]]]:

@@ -48,6 +48,8 @@ from dataclasses import dataclass
 
 import torch
 
+__all__ = ["Verdict", "verify_tree", "walk_tree", "rejection_walk", "match_prefix", "residual"]
+
 
 def greedy_argmax(scores: torch.Tensor, block: int = 64) -> torch.Tensor:
     """``scores.argmax(-1)``, the same indices (first maximum; a NaN counts as the maximum), faster on CPUs.
@@ -73,8 +75,6 @@ def greedy_argmax(scores: torch.Tensor, block: int = 64) -> torch.Tensor:
         wins = (tail_max > best) | (tail_max.isnan() & ~best.isnan())
         index = torch.where(wins, tail_index + main, index)
     return index.reshape(lead)
-
-__all__ = ["Verdict", "verify_tree", "walk_tree", "rejection_walk", "match_prefix", "residual"]
 
 
 @dataclass

@@ -43,10 +43,10 @@ __all__ = ["DraftHeadConfig", "DraftHead", "HEAD_ATTENTIONS", "EMBEDDED_HEADS", 
 
 HEAD_ATTENTIONS = ("tree_causal", "block_bidirectional")
 
-#: shipped heads for the embedded model (``DraftHead.from_pretrained("default-jetspec")``) -> folder under assets/
 #: the package's shipped checkpoints (the embedded models, heads and drafters)
 ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets"
 
+#: shipped heads for the embedded model (``DraftHead.from_pretrained("default-jetspec")``) -> folder under assets/
 EMBEDDED_HEADS = {
     "default-jetspec": "stdlib-coder-8m-jetspec-head",  # recipes/draft_head_tiny_cpu.yaml
     "default-dflash": "stdlib-coder-8m-dflash-head",  # recipes/dflash_head_tiny_cpu.yaml
