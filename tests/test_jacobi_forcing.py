@@ -52,17 +52,19 @@ def test_block_size_one_works_with_default_ngram_size():
 
 def test_context_draws_come_from_each_rows_own_context_and_match_the_tensor_form():
     """The host-list draw (what the Jacobi Forcing / lookahead proposers use) returns, per active row,
-    tokens of its real prompt or of what it committed so far: the same tokens as indexing tensors with the same draw."""
+    tokens of its real prompt or of what it committed so far: the same tokens as indexing tensors with the same
+    draw. A row read in part (``take``) or cycled past ``k`` gives the same tokens as the row read in full."""
     from hf_paralleldecode.decoding.base import DecodeRun
 
     model = enabled("llama")
     ids, mask = prompts(3)
     seen = []
-    orig = DecodeRun.sample_context_lists
+    orig = DecodeRun.context_draw
 
     def spy(self, k, generator):
         state = generator.get_state()
-        out = orig(self, k, generator)
+        draw = orig(self, k, generator)
+        out = [draw[i] for i in range(len(draw))]
         # the same draw through tensor indexing: [real prompt tokens, committed tokens] per row
         u = torch.rand(self.rows.shape[0], k, generator=torch.Generator().set_state(state))
         plen = self.prompt_lengths[self.rows]
@@ -70,15 +72,18 @@ def test_context_draws_come_from_each_rows_own_context_and_match_the_tensor_form
         index = torch.where(pick < plen[:, None], pick, ids.shape[1] + pick - plen[:, None])
         context = torch.cat([self.packed_prompt[self.rows], self.log.tokens[self.rows]], dim=1)
         assert context.gather(1, index).tolist() == out
+        for i, row in enumerate(out):
+            assert draw.take(i, 3) == row[:3] and draw.cycled(i, 0) == []
+            assert draw.cycled(i, 2 * k + 1) == (row * 3)[: 2 * k + 1]
         seen.append((self.rows.tolist(), [list(self.log.host_tokens(r)) for r in self.rows.tolist()], out))
-        return out
+        return draw
 
-    DecodeRun.sample_context_lists = spy
+    DecodeRun.context_draw = spy
     try:
         model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=30, do_sample=False,
                        decoding="jacobi_forcing", block_size=8, num_blocks=2, pool_size=2)
     finally:
-        DecodeRun.sample_context_lists = orig
+        DecodeRun.context_draw = orig
     assert len(seen) > 3
     for rows, committed, draws in seen:
         assert len(draws) == len(rows) and all(len(d) == 8 for d in draws)

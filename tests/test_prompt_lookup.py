@@ -80,13 +80,16 @@ def test_the_incremental_ngram_index_answers_like_the_scan(seed):
 
     rng = random.Random(seed)
     tokens = [rng.randrange(4) for _ in range(60)]
-    for ngram in (1, 3, 5):
-        index = NgramIndex(tokens[:5], ngram)
-        fed = 5
+    for ngram, first in ((1, 5), (3, 5), (5, 5), (3, 0), (4, 1)):
+        index = NgramIndex(tokens[:first], ngram)
+        fed = first
         while fed < len(tokens):
-            step = rng.randint(1, 6)
+            step = rng.randint(0, 6)  # empty chunks too
             index.extend(tokens[fed: fed + step])
             fed = min(fed + step, len(tokens))
             for num, matches in ((3, 4), (1, 2), (10, 50), (0, 3)):
                 assert index.candidates(num, matches) == _brute(tokens[:fed], num, ngram, matches)
+        # every n-gram's start positions, each once, increasing
+        assert all(starts == sorted(set(starts)) for starts in index.starts.values())
+        assert sum(map(len, index.starts.values())) == sum(len(tokens) - n + 1 for n in range(1, ngram + 1))
     assert NgramIndex([7], 3).candidates(3, 4) == []

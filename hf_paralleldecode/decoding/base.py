@@ -29,7 +29,7 @@ from .target import TargetForward
 from .tree import PackedTree
 from .verify import Verdict, verify_tree
 
-__all__ = ["DecodeRun", "ParallelDecodingOutput", "Proposer", "decode", "start", "check_int_setting", "check_bool_setting"]
+__all__ = ["DecodeRun", "ContextDraw", "ParallelDecodingOutput", "Proposer", "decode", "start", "check_int_setting", "check_bool_setting"]
 
 
 
@@ -112,6 +112,37 @@ def _validate(model, name, input_ids, generation_config, logits_processor, model
                 f"decoding={name!r} cannot give it when it scores a whole block per forward. Drop that "
                 'setting, or use decoding="stock".'
             )
+
+
+class ContextDraw:
+    """One uniform draw of ``k`` tokens per active row from the row's context (:meth:`DecodeRun.context_draw`).
+
+    ``draw[i]`` is active row ``i``'s ``k`` tokens; ``draw.take(i, n)`` the first ``n`` of them. A row's
+    positions become tokens only when read.
+    """
+
+    def __init__(self, picks: torch.Tensor, prompts: list[list[int]], committed: list[list[int]], totals: list[int]):
+        self.picks, self.prompts, self.committed, self.totals = picks, prompts, committed, totals
+        self.k = picks.shape[1]
+
+    def __len__(self) -> int:
+        return self.picks.shape[0]
+
+    def __getitem__(self, i: int) -> list[int]:
+        return self.take(i, self.k)
+
+    def take(self, i: int, n: int) -> list[int]:
+        """The first ``min(n, k)`` tokens of active row ``i``."""
+        prompt, committed, total = self.prompts[i], self.committed[i], self.totals[i]
+        plen = len(prompt)
+        return [prompt[p] if p < plen else committed[min(p, total - 1) - plen] for p in self.picks[i, :n].tolist()]
+
+    def cycled(self, i: int, n: int) -> list[int]:
+        """``n`` tokens of active row ``i``: its ``k`` drawn tokens, repeated as often as needed."""
+        if n <= 0:
+            return []
+        row = self.take(i, n)
+        return row if n <= self.k else [row[j % self.k] for j in range(n)]
 
 
 class DecodeRun:
@@ -228,7 +259,14 @@ class DecodeRun:
                             device=self.rows.device).reshape(self.rows.shape[0], k)
 
     def sample_context_lists(self, k: int, generator: torch.Generator) -> list[list[int]]:
-        """``k`` tokens drawn uniformly from each active row's context, as host lists (what the proposers keep).
+        """``k`` tokens drawn uniformly from each active row's context, as host lists (:meth:`context_draw`, read
+        in full)."""
+        draw = self.context_draw(k, generator)
+        return [draw[i] for i in range(len(draw))]
+
+    def context_draw(self, k: int, generator: torch.Generator) -> ContextDraw:
+        """``k`` tokens drawn uniformly from each active row's context: a :class:`ContextDraw`, whose rows are
+        turned into host lists only when read (a proposer that refills few positions reads few).
 
         The context is the row's prompt without padding plus its committed tokens; ``generator``
         (CPU) makes the draw reproducible: one ``[active, k]`` uniform draw per call.
@@ -237,12 +275,8 @@ class DecodeRun:
         prompts = [self.prompt_tokens(r) for r in rows]
         totals = [len(p) + c for p, c in zip(prompts, self.log.host_counts(rows))]
         u = torch.rand(len(rows), k, generator=generator)
-        picks = (u * torch.tensor(totals, dtype=torch.float32)[:, None]).long().tolist()
-        out = []
-        for r, prompt, total, pick in zip(rows, prompts, totals, picks):
-            committed, plen = self.log.host_tokens(r), len(prompt)
-            out.append([prompt[p] if p < plen else committed[min(p, total - 1) - plen] for p in pick])
-        return out
+        picks = (u * torch.tensor(totals, dtype=torch.float32)[:, None]).long()
+        return ContextDraw(picks, prompts, [self.log.host_tokens(r) for r in rows], totals)
 
     # ---- row management -------------------------------------------------------------------------
     def drop_finished(self) -> torch.Tensor | None:

@@ -156,7 +156,8 @@ class SlotCache:
         # one host read for the three decisions below
         scattered, last, longest = torch.stack(
             [(keep != as_prefix).any().long(), counts.max(), (self.num_valid + counts).max()]).tolist() if counts.numel() else (0, 0, 0)
-        order = (~keep).long().argsort(dim=1, stable=True) if scattered else None  # kept slots first, in order
+        # each row's kept slots first, in order (only the first `last` columns survive the crop)
+        order = (~keep).long().argsort(dim=1, stable=True)[:, :last] if scattered else None
         self._append(order, as_prefix[:, :last], width, longest)
 
     def commit_kept(self, kept: list[list[int]], width: int) -> None:
@@ -167,15 +168,17 @@ class SlotCache:
         after = [n + c for n, c in zip(self.host_num_valid(), counts)]
         order = None
         if any(k and k[-1] != len(k) - 1 for k in kept):  # increasing: a prefix ends at len - 1
-            order = torch.tensor([k + sorted(set(range(width)).difference(k)) for k in kept], dtype=torch.long,
-                                 device=self._valid.device)
+            # the kept slots first; a shorter row's columns past its count are holes (any slot will do)
+            order = torch.tensor([k + [0] * (last - len(k)) for k in kept], dtype=torch.long,
+                                 device=self._valid.device).reshape(len(kept), last)
         new = torch.tensor([[j < c for j in range(last)] for c in counts], dtype=torch.bool,
                            device=self._valid.device).reshape(len(counts), last)
         self._append(order, new, width, max(after, default=0))
         self._host_num_valid = after
 
     def _append(self, order: torch.Tensor | None, new: torch.Tensor, width: int, longest: int) -> None:
-        """The rest of a commit: move kept slots first (``order``), crop to ``new``'s width, extend the table."""
+        """The rest of a commit: move kept slots first (``order`` ``[batch, new width]``: the new slot each
+        kept column takes, into the ``width`` appended ones), crop to ``new``'s width, extend the table."""
         if order is not None:
             self._regather(order, start=self.num_slots)
         if new.shape[1] < width:
@@ -189,7 +192,9 @@ class SlotCache:
             self.compact()
 
     def _regather(self, index: torch.Tensor, start: int = 0) -> None:
-        """Per row, replace slots ``start:`` of every layer by slots ``start + index`` (``index: [batch, n]``)."""
+        """Per row, write slots ``start + index`` of every layer to slots ``start .. start + n`` (``index:
+        [batch, n]``). With ``start`` (a commit) the slots past ``start + n`` are left as they are, for the
+        caller to crop; from slot 0 (a compaction) the layers are cut to ``n`` slots."""
         for layer in self.cache.layers:
             if layer.keys is None or layer.keys.numel() == 0:
                 continue
@@ -197,10 +202,12 @@ class SlotCache:
             for name in ("keys", "values"):
                 t = getattr(layer, name)
                 picked = t[:, :, start:].gather(2, idx.expand(-1, t.shape[1], -1, t.shape[-1]))
-                if start + picked.shape[2] == t.shape[2]:
-                    t[:, :, start:] = picked  # same length: in place (static addresses survive)
+                if start:
+                    t[:, :, start: start + picked.shape[2]] = picked  # in place (static addresses survive)
+                elif picked.shape[2] == t.shape[2]:
+                    t.copy_(picked)
                 else:
-                    setattr(layer, name, torch.cat([t[:, :, :start], picked], dim=2) if start else picked)
+                    setattr(layer, name, picked)
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only the batch rows ``rows`` (finished rows are dropped from the work)."""

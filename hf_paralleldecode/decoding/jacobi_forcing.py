@@ -104,12 +104,12 @@ class MultiblockProposer(ComposedTreeProposer):
         self.ends: dict[int, list[int]] = {}
         self.root_pos: dict[int, int] = {}
         self._stats = dict(blocks_activated=0, recycled_wins=0)
-        fills = run.sample_context_lists(n, self.generator)
+        fills = run.context_draw(n, self.generator)
         for i, r in enumerate(run.rows.tolist()):
             self.chain[r] = [int(run.log.tokens[r, 0])]
             self.root_pos[r] = 0
             self.ends[r] = [n]  # the first block starts at the first generated token (the root)
-            self._fit(r, 0, fills[i])
+            self._fit(r, 0, fills, i)
 
     @property
     def stats(self) -> dict:
@@ -118,12 +118,13 @@ class MultiblockProposer(ComposedTreeProposer):
     def _limit(self, r: int) -> int:
         return int(self.run.log.max_new_tokens)
 
-    def _fit(self, r: int, root_pos: int, fill: list[int]) -> None:
-        """Make the chain cover ``root_pos .. last block end - 1`` (capped by the token budget)."""
+    def _fit(self, r: int, root_pos: int, fills, i: int) -> None:
+        """Make the chain cover ``root_pos .. last block end - 1`` (capped by the token budget); new positions
+        take active row ``i``'s tokens of ``fills`` (a :class:`~.base.ContextDraw`), cycled."""
         want = min(self.ends[r][-1], self._limit(r)) - root_pos
         chain = self.chain[r][:want]
         if len(chain) < want:
-            chain = chain + [fill[k % len(fill)] for k in range(want - len(chain))]
+            chain = chain + fills.cycled(i, want - len(chain))
         self.chain[r] = chain
 
     def propose(self):
@@ -144,7 +145,7 @@ class MultiblockProposer(ComposedTreeProposer):
     def update(self, tree, verdict) -> None:
         choices_l, committed = verdict.choices.tolist(), verdict.tokens.tolist()
         counts = (verdict.num_accepted + 1).tolist()
-        fills = self.run.sample_context_lists(self.n, self.generator)
+        fills = self.run.context_draw(self.n, self.generator)
         chain_nodes = tree.candidate_index[:, 0].tolist()  # the chain is candidate 0 (only its nodes are read)
         for i, r in enumerate(self.run.rows.tolist()):
             old = self.chain[r]
@@ -181,7 +182,7 @@ class MultiblockProposer(ComposedTreeProposer):
                 ends.append(ends[-1] + self.n)
                 self._stats["blocks_activated"] += 1
             self.ends[r] = ends
-            self._fit(r, root_pos, fills[i])
+            self._fit(r, root_pos, fills, i)
 
 
 @checks_settings(_check_settings)

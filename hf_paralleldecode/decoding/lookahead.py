@@ -72,7 +72,7 @@ class LookaheadProposer(ComposedTreeProposer):
             for r in range(batch):
                 tokens = run.prompt_tokens(r) + run.log.host_tokens(r)[:1]
                 self.pool.add_sequence(r, tokens, ngram)
-        fill = run.sample_context_lists(window, self.generator)
+        fill = run.context_draw(window, self.generator)
         self.levels: dict[int, list[list[int]]] = {r: [fill[i]] for i, r in enumerate(run.rows.tolist())}
         self.ages: dict[int, list[int]] = {r: [0] * window for r in run.rows.tolist()}  # updates since refill
         self.roots: dict[int, int] = {r: int(run.log.tokens[r, 0]) for r in run.rows.tolist()}  # last committed
@@ -108,7 +108,7 @@ class LookaheadProposer(ComposedTreeProposer):
         """
         choices_l, accepted_l = verdict.choices.tolist(), verdict.num_accepted.tolist()
         committed = verdict.tokens.tolist()
-        fills = self.run.sample_context_lists(self.W, self.generator)
+        fills = self.run.context_draw(self.W, self.generator)
         for i, r in enumerate(self.run.rows.tolist()):
             levels, ages, fill = self.levels[r], self.ages[r], fills[i]
             self.roots[r] = committed[i][accepted_l[i]]  # the bonus token is the next root

@@ -77,12 +77,13 @@ class NgramIndex:
         self.extend(tokens)
 
     def extend(self, new: list[int]) -> None:
-        toks = self.tokens
-        for tok in new:
-            toks.append(tok)
-            end = len(toks)
-            for n in range(1, min(self.max_ngram, end) + 1):
-                self.starts.setdefault(tuple(toks[end - n:]), []).append(end - n)
+        toks, starts = self.tokens, self.starts
+        old = len(toks)
+        toks.extend(new)
+        for n in range(1, self.max_ngram + 1):
+            first = max(old - n + 1, 0)  # the first start whose n-gram ends in the new tokens
+            for p, gram in enumerate(zip(*(toks[first + i:] for i in range(n))), first):  # tuples built in C
+                starts.setdefault(gram, []).append(p)
 
     def candidates(self, num_tokens: int, max_matches: int) -> list[list[int]]:
         """:func:`context_candidates` of the context (same matches, same order)."""

@@ -75,7 +75,8 @@ def run_stage(stage, drafter, target, dataset, out_dir: Path, args, steps: int, 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--work_dir", default="runs/deer")
-    parser.add_argument("--regen", default=None, help="regenerated answers (default: WORK_DIR/regen)")
+    parser.add_argument("--regen", nargs="+", default=None, help=(
+        "regenerated answers, one or more folders read as one dataset (default: WORK_DIR/regen)"))
     parser.add_argument("--export_dir", default=None)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--block_size", type=int, default=32)
@@ -97,6 +98,8 @@ def main():
     parser.add_argument("--stage0", default=None, help=(
         "a finished stage-0 drafter folder to start stage I from (stage 0 is text pretraining: it does not depend "
         "on the target's answers, so the base model's stage 0 serves the Jacobi Forcing model's drafter too)"))
+    parser.add_argument("--stage1", default=None, help=(
+        "a finished stage-I drafter folder to start stage II from (e.g. to run stage II again on more answers)"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -109,7 +112,8 @@ def main():
     args.target_name = EMBEDDED_MODELS[args.target]
     work = Path(args.work_dir)
     reports = []
-    stages = [(0, Path(args.stage0) if args.stage0 else work / "stage0"), (1, work / "stage1"), (2, work / "stage2")]
+    stages = [(0, Path(args.stage0) if args.stage0 else work / "stage0"),
+              (1, Path(args.stage1) if args.stage1 else work / "stage1"), (2, work / "stage2")]
     drafter = None
     for (stage, out), steps, lr in zip(stages, args.steps, args.lr):
         if (out / DRAFTER_CONFIG_NAME).is_file():
@@ -125,7 +129,10 @@ def main():
         if stage == 0:
             data = text_dataset(tokenizer, args.seq_len, args.text_tokens)
         else:
-            data = load_regenerated(args.regen or str(work / "regen"), tokenizer=tokenizer)
+            import datasets
+
+            data = datasets.concatenate_datasets(
+                [load_regenerated(folder, tokenizer=tokenizer) for folder in args.regen or [str(work / "regen")]])
         print(f"stage {stage}: {len(data)} rows, {steps} steps", flush=True)
         drafter, report = run_stage(stage, drafter, target, data, out, args, steps, lr)
         reports.append(report)

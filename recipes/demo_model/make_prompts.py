@@ -30,7 +30,7 @@ def main(argv=None):
     p.add_argument("--context_lines", type=int, default=12)
     p.add_argument("--split", choices=["test", "train"], default="test",
                    help="test: the held-out test/ package (benchmarks); train: the training files (trajectories)")
-    p.add_argument("--per_file", type=int, default=1, help="function openings taken per file")
+    p.add_argument("--per_file", type=int, default=1, help="function openings (or mid-file windows) taken per file")
     p.add_argument("--style", choices=["def", "midfile"], default="def")
     p.add_argument("--window_chars", type=int, default=240, help="--style midfile: characters per prompt")
     p.add_argument("--continuation_lines", type=int, default=0,
@@ -43,10 +43,11 @@ def main(argv=None):
     for f in files[::step]:
         if args.style == "midfile":
             text = read_text(f)
-            start = text.find("\n", len(text) // 2) + 1  # the first line boundary after the middle
-            window = text[start : start + args.window_chars]
-            if start > 0 and len(window) == args.window_chars:
-                prompts.append({"prompt": window, "source": f"{args.split}:{f.name}:char{start}"})
+            for k in range(args.per_file):  # one window: from the middle; more: evenly spread through the file
+                start = text.find("\n", len(text) * (k + 1) // (args.per_file + 1)) + 1  # the next line boundary
+                window = text[start : start + args.window_chars]
+                if start > 0 and len(window) == args.window_chars:
+                    prompts.append({"prompt": window, "source": f"{args.split}:{f.name}:char{start}"})
             if len(prompts) >= args.num_prompts:
                 break
             continue
