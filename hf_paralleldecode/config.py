@@ -46,17 +46,16 @@ class ParallelDecodingConfig:
     library_version: str | None = None
 
     def __post_init__(self):
-        import inspect
-
-        from .registry import get_decoding
+        from .registry import decoding_settings, get_decoding, unknown_settings_hint
 
         strategy = get_decoding(self.decoding)  # ValueError listing the available ones
         if not isinstance(self.settings, dict):
             raise ValueError(f"`settings` must be a dict, got {type(self.settings).__name__}.")
-        params = inspect.signature(strategy).parameters
-        unknown = sorted(k for k in self.settings if k not in params or k in ("model", "input_ids"))
+        known = decoding_settings(self.decoding)
+        unknown = sorted(k for k in self.settings if k not in known)
         if unknown:
-            raise ValueError(f"Unknown settings {unknown} for decoding {self.decoding!r}.")
+            raise ValueError(f"Unknown settings {unknown} for decoding {self.decoding!r}"
+                             f"{unknown_settings_hint(unknown, known)}; its settings: {', '.join(known)}.")
         check = getattr(strategy, "check_settings", None)
         if check is not None:  # values, not only names: refused here rather than at the first generate()
             check(self.settings)
@@ -83,9 +82,7 @@ class ParallelDecodingConfig:
         name is kept with a warning (``generate`` then raises, listing the available ones, unless
         the call passes ``decoding=``).
         """
-        import inspect
-
-        from .registry import _REGISTRY
+        from .registry import _REGISTRY, decoding_settings
 
         version = data.get("library_version")
         known = {f.name for f in dataclasses.fields(cls)}
@@ -101,7 +98,7 @@ class ParallelDecodingConfig:
             logger.warning("Decoding %r (from hf_paralleldecode %s) is not available in this version.",
                            decoding, version)
         else:
-            params = inspect.signature(_REGISTRY[decoding]).parameters
+            params = decoding_settings(decoding)
             dropped = sorted(k for k in settings if k not in params)
             if dropped:
                 logger.warning("Ignoring settings %s of decoding %r unknown to this version.", dropped, decoding)

@@ -7,9 +7,15 @@ must accept the arguments of ``GenerationMixin._sample``.
 
 from __future__ import annotations
 
+import difflib
+import inspect
 from collections.abc import Callable
 
-__all__ = ["register_decoding", "get_decoding", "available_decodings"]
+__all__ = ["register_decoding", "get_decoding", "available_decodings", "decoding_settings", "unknown_settings_hint"]
+
+#: what ``generate`` hands every strategy itself: not settings a caller passes
+GENERATE_ARGUMENTS = frozenset({"model", "input_ids", "logits_processor", "stopping_criteria", "generation_config",
+                                "synced_gpus", "streamer", "model_kwargs"})
 
 _REGISTRY: dict[str, Callable] = {}
 
@@ -43,6 +49,24 @@ def get_decoding(name: str) -> Callable:
         raise ValueError(
             f"Unknown decoding {name!r}. Available decodings: {', '.join(available_decodings())}."
         ) from None
+
+
+def decoding_settings(decoding: str | Callable) -> list[str]:
+    """The settings ``generate(decoding=...)`` takes for a strategy (its name or callable): its named parameters
+    beyond what ``generate`` hands every strategy (sorted)."""
+    strategy = get_decoding(decoding) if isinstance(decoding, str) else decoding
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return sorted(p.name for p in inspect.signature(strategy).parameters.values()
+                  if p.kind in named and p.name not in GENERATE_ARGUMENTS)
+
+
+def unknown_settings_hint(unknown, known) -> str:
+    """`` (did you mean 'x'?)`` for the first of ``unknown`` close to one of ``known``; else ``""``."""
+    for key in unknown:
+        close = difflib.get_close_matches(key, list(known), n=1)
+        if close:
+            return f" (did you mean {close[0]!r}?)"
+    return ""
 
 
 def _load_builtins() -> None:

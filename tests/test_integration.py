@@ -94,7 +94,8 @@ def test_config_drops_unknown_keys_from_newer_versions_with_a_warning(tmp_path, 
     "kwargs, match",
     [
         (dict(decoding="nope"), "Unknown decoding"),
-        (dict(decoding="jacobi", settings={"blocksize": 3}), "Unknown settings"),
+        (dict(decoding="jacobi", settings={"blocksize": 3}), r"Unknown settings.*did you mean 'block_size'"),
+        (dict(decoding="speculative", settings={"model": 3}), "Unknown settings"),  # generate's, not a setting
         (dict(decoding="jacobi", settings=[1]), "must be a dict"),
         # values are checked at construction, for every strategy, not at the first generate()
         (dict(decoding="jacobi", settings={"block_size": 0}), "block_size"),

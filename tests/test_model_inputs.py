@@ -61,3 +61,27 @@ def test_other_model_inputs_are_refused_by_name_before_any_forward(decoding, ext
                        **settings)
     hook.remove()
     assert not calls
+
+
+@pytest.mark.parametrize("decoding, extra, match", [
+    ("jacobi", "block_sise", r"unknown setting.*'block_sise'.*did you mean 'block_size'"),  # a typo
+    ("speculative", "cost_aware", r"unknown setting.*'cost_aware' is a setting of decoding=.*'lookahead'"),
+    ("lookahead", "tree_depth", r"unknown setting.*'tree_depth' is a setting of decoding='speculative'"),
+])
+def test_a_misspelt_or_foreign_setting_is_named_as_a_setting_before_any_forward(decoding, extra, match):
+    """A key that is a near miss of one of the decoding's settings, or a setting of another decoding, is reported
+    as an unknown setting (with the decoding's settings listed), not as a model input; through ``generate`` and
+    through the checkpoint config alike."""
+    model = enabled("llama")
+    calls = []
+    hook = model.register_forward_pre_hook(lambda *a: calls.append(1))
+    ids, mask = prompts(1)
+    try:
+        with pytest.raises(ValueError, match=match) as err:
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, decoding=decoding, **{extra: 4})
+    finally:
+        hook.remove()
+    assert not calls
+    assert "Its settings:" in str(err.value)
+    with pytest.raises(ValueError, match="Unknown settings"):
+        hfpd.ParallelDecodingConfig(decoding, {extra: 4})

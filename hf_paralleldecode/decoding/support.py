@@ -99,15 +99,42 @@ def generation_config_conflict(gc) -> str | None:
     return None
 
 
-def model_inputs_conflict(model_inputs: dict) -> str | None:
-    """Why the model inputs of a call cannot be fed at every step, or ``None``."""
+def model_inputs_conflict(model_inputs: dict, model=None, settings=None) -> str | None:
+    """Why the model inputs of a call cannot be fed at every step, or ``None``.
+
+    With ``model`` and ``settings`` (the decoding's setting names), a key that is no named input of
+    ``model.forward`` is reported as an unknown setting (a typo, or a setting of another decoding)."""
     refused = sorted(k for k, v in model_inputs.items()
                      if v is not None and k not in HANDLED_INPUTS and k not in STEP_INPUTS)
-    if refused:
-        return (f"cannot feed the model input(s) {refused} at every step (it feeds input_ids, attention_mask, "
-                f"position_ids and {', '.join(STEP_INPUTS)}); they would be silently ignored. "
-                'Use decoding="stock" for this call.')
-    return None
+    if not refused:
+        return None
+    if model is not None and settings is not None:
+        reason = _unknown_settings(refused, model, settings)
+        if reason:
+            return reason
+    return (f"cannot feed the model input(s) {refused} at every step (it feeds input_ids, attention_mask, "
+            f"position_ids and {', '.join(STEP_INPUTS)}); they would be silently ignored. "
+            'Use decoding="stock" for this call.')
+
+
+def _unknown_settings(keys: list[str], model, settings: list[str]) -> str | None:
+    """Keys that look like settings rather than model inputs: a setting of another decoding, a near miss of one
+    of this decoding's ``settings``, or a name ``model.forward`` cannot take at all."""
+    from ..registry import available_decodings, decoding_settings, unknown_settings_hint
+
+    params = inspect.signature(model.forward).parameters.values()
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+    elsewhere = {k: [d for d in available_decodings() if k in decoding_settings(d)] for k in keys}
+    unknown = [k for k in keys if elsewhere[k] or unknown_settings_hint([k], settings)
+               or not (takes_any or k in {p.name for p in params})]
+    if not unknown:
+        return None
+    hint = unknown_settings_hint(unknown, settings)
+    where = "; ".join(f"{k!r} is a setting of decoding={', '.join(map(repr, ds))}" for k, ds in elsewhere.items()
+                      if ds and k in unknown)
+    return (f"got unknown setting(s) {unknown}{hint}: not settings of this decoding"
+            f"{' (' + where + ')' if where else ''}, and not inputs of {type(model).__name__}.forward. Its settings: "
+            f"{', '.join(settings)}.")
 
 
 def distributed_conflict(model, synced_gpus) -> str | None:
@@ -155,4 +182,6 @@ def call_conflict(model, strategy, kwargs: dict) -> str | None:
     not_inputs = set(inspect.signature(strategy).parameters) | set(inspect.signature(GenerationMixin.generate).parameters) | {
         "tokenizer", "assistant_tokenizer", "trust_remote_code", "decoding", "generation_config"}
     inputs = {k: v for k, v in kwargs.items() if k not in not_inputs and not hasattr(gc, k)}
-    return model_inputs_conflict(inputs)
+    from ..registry import decoding_settings
+
+    return model_inputs_conflict(inputs, model, decoding_settings(strategy))
