@@ -15,18 +15,32 @@ three stages, each saved as a drafter folder (rerunning skips finished stages):
 2. DEER stage II on the same answers: the R tokens after the prefix, exponentially decaying weights.
 
 Every stage draws its masked span per batch from ``--spans`` so one drafter serves block sizes 4
-to 32 (``tree_depth``). Reproduce (2 CPU cores; the regenerated answers as in recipes/draft_head_tiny_cpu.yaml):
+to 32 (``tree_depth``). Reproduce (2 CPU cores; about 20 minutes for stage 0, 5 for stage I, 17 for
+stage II):
 
     python recipes/demo_model/make_prompts.py --split train --num_prompts 1600 --per_file 4 --out runs/deer/train_prompts.jsonl
-    hf-paralleldecode regenerate --model default --prompts runs/deer/train_prompts.jsonl --output-dir runs/deer/regen --max-new-tokens 96
-    python recipes/deer/train_default_deer.py --work_dir runs/deer --export_dir hf_paralleldecode/assets/stdlib-coder-8m-deer
+    python recipes/demo_model/make_prompts.py --split train --style midfile --num_prompts 1600 --per_file 4 --out runs/deer/train_prompts_midfile.jsonl
+    python recipes/demo_model/make_prompts.py --split train --style midfile --num_prompts 3200 --per_file 8 --out runs/deer/train_prompts_midfile8.jsonl
+    for S in "" _midfile _midfile8; do
+      hf-paralleldecode regenerate --model default --prompts runs/deer/train_prompts$S.jsonl --output-dir runs/deer/regen$S \
+        --max-new-tokens 96 --batch-size 16
+    done
+    python recipes/deer/train_default_deer.py --work_dir runs/deer --regen runs/deer/regen runs/deer/regen_midfile \
+        runs/deer/regen_midfile8 --steps 1000 400 1500 --export_dtype bfloat16 \
+        --export_dir hf_paralleldecode/assets/stdlib-coder-8m-deer
 
-The Jacobi Forcing model's drafter (shipped inside that checkpoint, ``drafter/``) shares stage 0 and is aligned
-to the Jacobi Forcing model's own answers:
+Stage I reads the 1603 answers to function openings; stage II reads those plus the answers to 4803 mid-file
+windows of training files (a first version ran stage II for 300 steps on the openings' answers only: see
+docs/methods/deer.md). The Jacobi Forcing model's drafter (shipped inside that checkpoint, ``drafter/``)
+shares stage 0 and is aligned to the Jacobi Forcing model's own answers to the same prompts:
 
-    hf-paralleldecode regenerate --model default-trained --prompts runs/deer/train_prompts.jsonl --output-dir runs/deer_jf/regen --max-new-tokens 96
+    for S in "" _midfile _midfile8; do
+      hf-paralleldecode regenerate --model default-trained --prompts runs/deer/train_prompts$S.jsonl \
+        --output-dir runs/deer_jf/regen$S --max-new-tokens 96 --batch-size 16
+    done
     python recipes/deer/train_default_deer.py --target default-trained --stage0 runs/deer/stage0 --work_dir runs/deer_jf \
-        --export_dir hf_paralleldecode/assets/stdlib-coder-8m-jacobi-forcing/drafter
+        --regen runs/deer_jf/regen runs/deer_jf/regen_midfile runs/deer_jf/regen_midfile8 --steps 1000 400 1500 \
+        --export_dtype bfloat16 --export_dir hf_paralleldecode/assets/stdlib-coder-8m-jacobi-forcing/drafter
 """
 
 from __future__ import annotations
