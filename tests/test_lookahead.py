@@ -42,6 +42,35 @@ def test_ngram_pool_is_lru_per_key():
     assert pool.size(0) == 4 and pool.get(0, 42) == []
 
 
+def test_ngram_pool_windows_match_a_plain_lru_of_tuples():
+    """``add_windows`` (continuations stored as int64 bytes) against a reference LRU of tuples: same entries,
+    same order, after random chains with start / stop offsets, tail windows, refreshes and evictions, and
+    token ids past 2**31."""
+    import random
+
+    rng = random.Random(0)
+    for cap in (1, 2, 4):
+        pool, ref = NgramPool(2, max_per_key=cap), [{}, {}]
+        for _ in range(60):
+            row, n = rng.randrange(2), rng.choice([2, 3, 8, 64])
+            vocab = rng.choice([3, 50, 2**40])
+            seq = [rng.randrange(vocab) for _ in range(rng.randint(0, 40))]
+            start = rng.randint(0, 2)
+            stop = rng.choice([None, max(len(seq) - 1 - rng.randint(0, 3), start)])
+            pool.add_windows(row, seq, n, start=start, stop=stop)
+            for j in range(start, len(seq) - 1 if stop is None else stop):
+                entries = ref[row].setdefault(seq[j], [])
+                cont = tuple(seq[j + 1: j + n])
+                if cont in entries:
+                    entries.remove(cont)
+                entries.append(cont)
+                del entries[:-cap]
+            for key, entries in ref[row].items():
+                assert pool.get(row, key) == entries[::-1]
+                assert pool.get(row, key, limit=1) == entries[::-1][:1]
+        assert [pool.size(r) for r in range(2)] == [sum(map(len, ref[r].values())) for r in range(2)]
+
+
 def test_window_wider_than_the_budget_still_learns_and_slides():
     model = enabled("llama")
     ids, _ = prompts(1)
