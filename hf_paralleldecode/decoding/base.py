@@ -96,10 +96,7 @@ def checks_settings(check):
 
 
 def _validate(model, name, input_ids, generation_config, logits_processor, model_kwargs):
-    from ..registry import available_decodings, decoding_settings
-
-    settings = decoding_settings(name) if name in available_decodings() else None
-    for reason in (model_conflict(model), model_inputs_conflict(model_kwargs, model, settings),
+    for reason in (model_conflict(model), model_inputs_conflict(model_kwargs, model, name),
                    generation_config_conflict(generation_config)):
         if reason is not None:
             raise ValueError(f"decoding={name!r} {reason}")

@@ -99,16 +99,20 @@ def generation_config_conflict(gc) -> str | None:
     return None
 
 
-def model_inputs_conflict(model_inputs: dict, model=None, settings=None) -> str | None:
+def model_inputs_conflict(model_inputs: dict, model=None, decoding=None) -> str | None:
     """Why the model inputs of a call cannot be fed at every step, or ``None``.
 
-    With ``model`` and ``settings`` (the decoding's setting names), a key that is no named input of
-    ``model.forward`` is reported as an unknown setting (a typo, or a setting of another decoding)."""
+    With ``model`` and ``decoding`` (a registered name or a strategy callable), a key that looks like a
+    setting (a near miss of one of the decoding's, another decoding's, or a name ``model.forward`` cannot
+    take) is reported as an unknown setting."""
     refused = sorted(k for k, v in model_inputs.items()
                      if v is not None and k not in HANDLED_INPUTS and k not in STEP_INPUTS)
     if not refused:
         return None
-    if model is not None and settings is not None:
+    if model is not None and decoding is not None:
+        from ..registry import available_decodings, decoding_settings
+
+        settings = decoding_settings(decoding) if callable(decoding) or decoding in available_decodings() else []
         reason = _unknown_settings(refused, model, settings)
         if reason:
             return reason
@@ -132,9 +136,9 @@ def _unknown_settings(keys: list[str], model, settings: list[str]) -> str | None
     hint = unknown_settings_hint(unknown, settings)
     where = "; ".join(f"{k!r} is a setting of decoding={', '.join(map(repr, ds))}" for k, ds in elsewhere.items()
                       if ds and k in unknown)
+    listed = f" Its settings: {', '.join(settings)}." if settings else ""
     return (f"got unknown setting(s) {unknown}{hint}: not settings of this decoding"
-            f"{' (' + where + ')' if where else ''}, and not inputs of {type(model).__name__}.forward. Its settings: "
-            f"{', '.join(settings)}.")
+            f"{' (' + where + ')' if where else ''}, and not inputs of {type(model).__name__}.forward.{listed}")
 
 
 def distributed_conflict(model, synced_gpus) -> str | None:
@@ -182,6 +186,4 @@ def call_conflict(model, strategy, kwargs: dict) -> str | None:
     not_inputs = set(inspect.signature(strategy).parameters) | set(inspect.signature(GenerationMixin.generate).parameters) | {
         "tokenizer", "assistant_tokenizer", "trust_remote_code", "decoding", "generation_config"}
     inputs = {k: v for k, v in kwargs.items() if k not in not_inputs and not hasattr(gc, k)}
-    from ..registry import decoding_settings
-
-    return model_inputs_conflict(inputs, model, decoding_settings(strategy))
+    return model_inputs_conflict(inputs, model, strategy)
