@@ -37,9 +37,8 @@ class NgramPool:
 
     def add_sequence(self, row: int, tokens: Sequence[int], n: int) -> None:
         """Insert every n-gram of ``tokens`` (key = its first token, continuation = the other n - 1)."""
-        tokens = [int(t) for t in tokens]
-        for i in range(len(tokens) - n + 1):
-            self.add(row, tokens[i], tokens[i + 1 : i + n])
+        if n >= 2 and len(tokens) >= n:  # a 1-gram has no continuation to store
+            self.add_windows(row, [int(t) for t in tokens], n, stop=len(tokens) - n + 1)
 
     def add_windows(self, row: int, tokens: Sequence[int], n: int, start: int = 0, stop: int | None = None) -> None:
         """``add(row, tokens[j], tokens[j + 1 : j + n])`` for every ``start <= j < stop`` (default: every ``j``

@@ -128,9 +128,11 @@ def _unknown_settings(keys: list[str], model, settings: list[str]) -> str | None
 
     params = inspect.signature(model.forward).parameters.values()
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
-    elsewhere = {k: [d for d in available_decodings() if k in decoding_settings(d)] for k in keys}
+    names = {p.name for p in params}
+    others = {d: decoding_settings(d) for d in available_decodings()}
+    elsewhere = {k: [d for d, ds in others.items() if k in ds] for k in keys}
     unknown = [k for k in keys if elsewhere[k] or unknown_settings_hint([k], settings)
-               or not (takes_any or k in {p.name for p in params})]
+               or not (takes_any or k in names)]
     if not unknown:
         return None
     hint = unknown_settings_hint(unknown, settings)
