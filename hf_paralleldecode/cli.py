@@ -356,6 +356,31 @@ class _ExactParser(argparse.ArgumentParser):
 
 
 def main(argv=None) -> int:
+    """Run one command; a process group the command started (``accelerate launch``) is destroyed when it succeeds.
+
+    Without that, gloo's worker threads can outlive the interpreter's teardown of the tensors they hold and abort
+    the process (SIGABRT, "terminate called without an active exception") after the work is done. The group is
+    left alone when the command fails (a rank that is still in a collective would hang on it) or when it existed
+    before the call (the caller's own group).
+    """
+    had_group = _process_group_initialized()
+    code = _main(argv)
+    if code == 0 and not had_group and _process_group_initialized():
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+    return code
+
+
+def _process_group_initialized() -> bool:
+    if "torch" not in sys.modules:  # nothing distributed can have started without torch
+        return False
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def _main(argv=None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["train"]:  # recipe + HfArgumentParser overrides: parsed by the training CLI

@@ -3,16 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
-from models import tiny_model, word_tokenizer
+from models import launch_two_processes, tiny_model, word_tokenizer
 
 import hf_paralleldecode as hfpd
 from hf_paralleldecode import cli
@@ -61,23 +57,12 @@ def test_bad_recipes(tmp_path, capsys):
     assert "method" in capsys.readouterr().err
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_two_processes_under_accelerate_launch(setup, tmp_path):
     """`accelerate launch --multi_gpu --num_processes 2` on a CPU machine runs 2 processes (gloo)."""
     out = tmp_path / "out"
     recipe = _recipe(setup, "jacobi_forcing", out)
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-           "--main_process_port", str(_free_port()), "-m", "hf_paralleldecode.cli", "train", "--config", str(recipe)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", TQDM_DISABLE="1", ACCELERATE_USE_CPU="true")
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    launch_two_processes(["train", "--config", str(recipe)])
     info = json.loads((out / "train_info.json").read_text())
     assert info["world_size"] == 2
     model = hfpd.load_model(out)
@@ -178,13 +163,7 @@ def test_draft_head_two_processes_under_accelerate_launch_equal_one_process(setu
         return path
 
     assert cli.main(["train", "--config", str(recipe("one", 4))]) == 0
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-           "--main_process_port", str(_free_port()), "-m", "hf_paralleldecode.cli", "train", "--config",
-           str(recipe("two", 2))]
-    env = dict(os.environ, OMP_NUM_THREADS="1", TQDM_DISABLE="1", ACCELERATE_USE_CPU="true")
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    launch_two_processes(["train", "--config", str(recipe("two", 2))])
     assert json.loads((tmp_path / "two" / "train_info.json").read_text())["world_size"] == 2
     one, two = (load_file(tmp_path / n / "model.safetensors") for n in ("one", "two"))
     assert one.keys() == two.keys()
@@ -272,3 +251,48 @@ def test_unknown_or_abbreviated_keys_name_the_closest_field(setup, tmp_path, cap
     with pytest.raises(SystemExit):  # the other subcommands do not match prefixes either
         cli.main(["bench", "--max-new", "4"])
     assert "unrecognized arguments: --max-new" in capsys.readouterr().err
+
+
+def _run_env_command_that_starts_a_group(monkeypatch, tmp_path, fails=False):
+    """``cli.main(["env"])`` whose command starts a 1-process gloo group, as accelerate does under a launcher."""
+    import torch.distributed as dist
+
+    def command(_args):
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+        if fails:
+            raise ValueError("the command failed")
+        return 0
+
+    monkeypatch.setattr(cli, "_env", command)
+    try:
+        return cli.main(["env"])
+    except SystemExit as exit_:
+        return exit_.code
+
+
+@pytest.fixture
+def no_group_left():
+    import torch.distributed as dist
+
+    yield dist
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_a_process_group_the_command_started_is_destroyed_when_it_succeeds(monkeypatch, tmp_path, no_group_left):
+    """Left to the interpreter's exit, gloo's threads can abort a finished run (SIGABRT) under accelerate launch."""
+    assert _run_env_command_that_starts_a_group(monkeypatch, tmp_path) == 0
+    assert not no_group_left.is_initialized()
+
+
+def test_a_failing_command_leaves_its_process_group(monkeypatch, tmp_path, no_group_left):
+    """Another rank may still be in a collective: destroying the group then could hang it."""
+    assert _run_env_command_that_starts_a_group(monkeypatch, tmp_path, fails=True) == 2
+    assert no_group_left.is_initialized()
+
+
+def test_the_callers_process_group_is_left_alone(monkeypatch, tmp_path, no_group_left):
+    no_group_left.init_process_group("gloo", init_method=f"file://{tmp_path / 'own'}", rank=0, world_size=1)
+    assert _run_env_command_that_starts_a_group(monkeypatch, tmp_path) == 0
+    assert no_group_left.is_initialized()
