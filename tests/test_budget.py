@@ -87,3 +87,40 @@ def test_cost_aware_strategies_report_their_choice(decoding, settings):
                          cost_aware=True, return_dict_in_generate=True, **settings)
     assert torch.equal(out.sequences, ref)
     assert out.stats["budget_optional_nodes_per_step"] >= 0 and out.stats["forward_cost"]["tokens"][0] == 1
+
+
+def test_trim_keeps_the_best_nodes_by_path_value_parents_first():
+    budget = flat_budget()  # flat cost: every node pays
+    rates = budget.acceptance
+    rates.hits[0], rates.trials[0] = 9.0, 10.0  # key 0: accepted 90% at every depth
+    rates.hits[1], rates.trials[1] = 1.0, 10.0  # key 1: 10%
+    # root 0; 1 (key 1) -> 3 (key 0); 2 (key 0) -> 4 (key 0); 5 (key 0) under 1
+    keys, parents, depth = [-1, 1, 0, 0, 0, 0], [-1, 0, 0, 1, 2, 1], [0, 1, 1, 2, 2, 2]
+    assert budget.trim([keys], [parents], [depth]) == [[0, 1, 2, 3, 4, 5]]
+    # values: 2 -> 0.9, 4 -> 0.81, 1 -> 0.1, 3 and 5 -> 0.09. Tokens per second of k = 0, 1, 2, 3 nodes:
+    # 1 / 1, 1.9 / 1.05, 2.71 / 1.1, 2.81 / 2.88: the 0.9 / 0.81 chain is kept
+    steep = flat_budget(ForwardCost([(1, 1.0), (2, 1.05), (3, 1.1), (8, 10.0)]))
+    steep.acceptance.hits.copy_(rates.hits)
+    steep.acceptance.trials.copy_(rates.trials)
+    assert steep.trim([keys], [parents], [depth]) == [[0, 2, 4]]
+    # a batch shares k (the forward's width is the widest row's); a row with fewer nodes keeps what it has.
+    # 2 rows: k = 0, 1, 2, 3 feed 2, 4, 6, 8 tokens: 2 / 1, 3.8 / 1, 4.61 / 1.1, 4.71 / 10
+    batch = flat_budget(ForwardCost([(1, 1.0), (4, 1.0), (6, 1.1), (8, 10.0)]))
+    batch.acceptance.hits.copy_(rates.hits)
+    batch.acceptance.trials.copy_(rates.trials)
+    assert batch.trim([keys, [-1, 0]], [parents, [-1, 0]], [depth, [0, 1]]) == [[0, 2, 4], [0, 1]]
+
+
+def test_learn_counts_keyed_nodes_of_a_trimmed_tree():
+    from hf_paralleldecode.decoding.tree import tree_from_parents
+
+    budget = flat_budget()
+    tree = tree_from_parents(torch.tensor([0]), [[0, 5, 6, 7]], [[-1, 0, 1, 0]], [[0, 1, 2, 1]])
+    tree.node_keys = torch.tensor([[-1, 4, 4, 9]])
+    choices = torch.tensor([[5, 8, 9, 9]])  # accepts node 1 (5), rejects its child 6 and the sibling 7
+    path, num = walk_tree(tree, choices)
+    budget.learn(tree, Verdict(path, num, None, None))
+    trials, hits = budget.acceptance.trials - 2, budget.acceptance.hits - 1
+    assert trials[4, :2].tolist() == [1, 1] and hits[4, :2].tolist() == [1, 0]
+    assert trials[9, :1].tolist() == [1] and hits[9, :1].tolist() == [0]
+    assert trials.sum() == 3 and hits.sum() == 1

@@ -124,6 +124,68 @@ def test_streamer_gets_committed_tokens(small_vocab):
     assert torch.cat([v.reshape(-1) for v in streamer.values[1:]]).tolist() == out[0, ids.shape[1]:].tolist()
 
 
+def given_cost(monkeypatch, points):
+    """The cost-aware budget's forward cost: ``(tokens, seconds)`` points instead of a measurement."""
+    from hf_paralleldecode.decoding import budget
+
+    monkeypatch.setattr(budget, "forward_cost", lambda model: budget.ForwardCost(points))
+
+
+def linear_cost(monkeypatch, per_token: float):
+    """1 for one token, ``per_token`` (of that) for each further token."""
+    given_cost(monkeypatch, [(1, 1.0), (256, 1.0 + 255 * per_token)])
+
+
+def any_drafter(model, kind):
+    if kind == "deer":
+        from hf_paralleldecode import DiffusionDrafter
+
+        torch.manual_seed(0)
+        return DiffusionDrafter.for_target(model, num_hidden_layers=1, block_size=4)
+    return head_for(model, kind)
+
+
+@pytest.mark.parametrize("kind", [*KINDS, "deer"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_cost_aware_trees_match_stock_greedy_and_a_steep_cost_feeds_fewer_nodes(monkeypatch, batch, kind):
+    model = enabled("llama")
+    ids, mask = prompts(batch)
+    ids, mask = torch.cat([ids, ids], dim=1), torch.cat([mask, mask], dim=1)  # context matches exist
+    ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False)
+    drafter = any_drafter(model, kind)
+    chosen = {}
+    for per_token in (0.0, 0.5):  # flat: every node pays; steep: a node costs half a forward
+        linear_cost(monkeypatch, per_token)
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False,
+                             decoding="speculative", drafter=drafter, tree_budget=12, tree_width=3,
+                             context_matches=2, context_tokens=4, cost_aware=True, return_dict_in_generate=True)
+        torch.testing.assert_close(out.sequences, ref, rtol=0, atol=0)
+        assert out.stats["cost_aware"] is True
+        chosen[per_token] = out.stats["budget_optional_nodes_per_step"]
+    assert chosen[0.5] < chosen[0.0] <= 12
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", [*KINDS, "deer"])
+def test_cost_aware_sampled_output_distribution_equals_stock(monkeypatch, kind):
+    """A tree the budget cut is verified by sample-then-match: still distributed as stock sampling."""
+    vocab, rows = 5, 4000
+    model = hfpd.enable(tiny_model("llama", vocab_size=vocab, initializer_range=0.05))
+    head = any_drafter(model, kind)
+    given_cost(monkeypatch, [(1, 1.0), (3 * rows, 1.0), (7 * rows, 20.0)])  # flat up to 2 drafted nodes per row
+    ids = torch.tensor([[3, 4, 3, 4, 3]]).repeat(rows, 1)
+    kwargs = dict(input_ids=ids, max_new_tokens=3, do_sample=True, eos_token_id=None)
+    torch.manual_seed(0)
+    stock = model.generate(**kwargs)
+    torch.manual_seed(1)
+    ours = model.generate(**kwargs, decoding="speculative", drafter=head, tree_budget=6, tree_width=2,
+                          cost_aware=True, return_dict_in_generate=True)
+    assert ours.tokens_per_forward > 1.05, "multi-token acceptance must happen for the test to mean anything"
+    assert ours.stats["budget_optional_nodes_per_step"] < 6, "the budget must cut trees for the test to mean anything"
+    p = chi_square_two_sample(outcomes(stock, 5), outcomes(ours.sequences, 5), vocab**3)
+    assert p > 1e-3, f"sampled distribution differs from stock sampling (p={p:.2e})"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("warp", [dict(), dict(temperature=1.3, top_k=4),

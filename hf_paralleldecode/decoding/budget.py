@@ -139,14 +139,23 @@ class AcceptanceModel:
         return rates[sources.clamp(min=0), :length]
 
     def update(self, tree, verdict) -> None:
-        """Count the fresh candidate nodes of ``tree`` (see :func:`~.tree.pack_candidates`) by source and depth."""
-        sources = tree.candidate_sources
-        if sources is None or tree.candidate_index is None or tree.candidate_index.shape[-1] == 0:
-            return
+        """Count the drafted nodes of ``tree`` by key and depth: node by node when the tree carries
+        ``node_keys`` (:meth:`CostAwareBudget.trim`), else its fresh candidate nodes
+        (:func:`~.tree.pack_candidates`) by the candidates' keys."""
         batch, width = tree.tokens.shape
         accepted = torch.zeros((batch, width + 1), dtype=torch.bool, device=tree.tokens.device)
         accepted.scatter_(1, torch.where(verdict.path >= 0, verdict.path, width), True)
         accepted = accepted[:, :width]
+        if tree.node_keys is not None:
+            keys = tree.node_keys
+            parent_ok = accepted.gather(1, tree.parents.clamp(min=0))
+            tried = (keys >= 0) & (tree.parents >= 0) & parent_ok
+            depth = (tree.depth - 1).clamp(min=0, max=self.hits.shape[1] - 1)
+            self._count(keys.clamp(min=0), depth, tried, tried & accepted)
+            return
+        sources = tree.candidate_sources
+        if sources is None or tree.candidate_index is None or tree.candidate_index.shape[-1] == 0:
+            return
         node = tree.candidate_index.clamp(min=0)
         fresh = tree.candidate_fresh
         length = fresh.shape[-1]
@@ -154,7 +163,11 @@ class AcceptanceModel:
         tried = fresh & parent_ok
         hit = tried & accepted.gather(1, node.flatten(1)).view_as(node)
         depth = torch.arange(length, device=node.device).clamp(max=self.hits.shape[1] - 1)
-        index = (sources.clamp(min=0)[..., None] * self.hits.shape[1] + depth).flatten()
+        self._count(sources.clamp(min=0)[..., None], depth, tried, hit)
+
+    def _count(self, keys, depth, tried, hit) -> None:
+        """Add ``tried`` / ``hit`` (bool) to the counts of ``(keys, depth)`` (broadcast together)."""
+        index = (keys * self.hits.shape[1] + depth).expand_as(tried).flatten()
         self.trials.view(-1).index_add_(0, index, tried.flatten().to(self.trials.dtype))
         self.hits.view(-1).index_add_(0, index, hit.flatten().to(self.hits.dtype))
 
@@ -228,6 +241,31 @@ class CostAwareBudget:
         self.steps += 1
         self.chosen += k
         return k
+
+    def trim(self, rows_keys: list[list[int]], rows_parents: list[list[int]], rows_depth: list[list[int]]) -> list[list[int]]:
+        """The nodes worth feeding of already grown trees (all nodes optional; node 0 is the root, parents
+        before children): per row, the kept nodes in their original order, the root first.
+
+        A node's value is the product of ``c(key, depth)`` along its path (``rows_keys``: each node's
+        statistics key, the root's ignored); nodes are taken best first (a parent before its
+        children) and :meth:`choose` says how many. Pack the kept nodes with their keys as
+        ``PackedTree.node_keys`` so that :meth:`learn` counts them node by node.
+        """
+        rates = self.acceptance.rates().tolist()
+        last = len(rates[0]) - 1
+        orders, values = [], []
+        for keys, parents, depth in zip(rows_keys, rows_parents, rows_depth):
+            value = [1.0] * len(keys)
+            for v in range(1, len(keys)):
+                value[v] = value[parents[v]] * rates[keys[v]][min(depth[v] - 1, last)]
+            order = sorted(range(1, len(keys)), key=lambda v: (-value[v], v))  # ties: the parent (lower index) first
+            orders.append(order)
+            values.append([value[v] for v in order])
+        width = max(map(len, values))
+        optional = torch.tensor([row + [float("-inf")] * (width - len(row)) for row in values], dtype=torch.float64)
+        zeros = torch.zeros(len(values), dtype=torch.float64)
+        k = self.choose(optional, zeros, zeros.long())
+        return [[0] + sorted(order[:k]) for order in orders]
 
     @property
     def stats(self) -> dict:

@@ -44,6 +44,7 @@ missing prefix cache costs).
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import time
 
@@ -53,11 +54,12 @@ from transformers.cache_utils import DynamicCache
 from ..drafters.diffusion import DiffusionDrafter, target_vocab_size
 from ..hardware import preset_settings
 from .base import Proposer, check_int_setting, checks_settings, decode
+from .budget import CostAwareBudget
 from .cache import SlotCache, additive_mask
 from .diffusion import DiffusionSource
 from .draft_tree import TreeBuilder
 from .processors import prefix_independent, process_prefixes
-from .prompt_lookup import ContextNgrams, check_context_settings
+from .prompt_lookup import CONTEXT, GUESSES, ContextNgrams, check_context_settings
 from .target import HiddenStateTaps
 from .tree import PackedTree, tree_from_parents
 
@@ -84,8 +86,8 @@ def drafter_run_dtype(drafter_dtype, model) -> torch.dtype:
 
 
 def _check_tree(tree_budget, tree_width, tree_depth, tree_waves, context_matches=0, context_tokens=10,
-                context_ngram_size=3, denoise_steps=None, drafter_dtype=None):
-    check_context_settings(context_matches, context_tokens, context_ngram_size, None, False)
+                context_ngram_size=3, denoise_steps=None, drafter_dtype=None, cost_aware=False):
+    check_context_settings(context_matches, context_tokens, context_ngram_size, None, cost_aware)
     check_drafter_dtype(drafter_dtype)
     if denoise_steps is not None:
         check_int_setting("denoise_steps", denoise_steps, 1)
@@ -291,11 +293,17 @@ class _HeadSource:
 class DraftProposer(Proposer):
     """Trees from a learned drafter (a :class:`_HeadSource` or a :class:`~.diffusion.DiffusionSource`)."""
 
+    #: a drafted node's statistics key under ``cost_aware``: the drafter's nodes by the bucket of their own
+    #: ``q`` (``q >= 0.8``, ``0.4``, ``0.1``, below), context nodes by the rank of the match that made them
+    Q_BUCKETS = (0.8, 0.4, 0.1)
+
     def __init__(self, run, source, vocab, budget, width, depth, waves, context_matches=0, context_tokens=10,
-                 context_ngram_size=3):
+                 context_ngram_size=3, cost_aware=False):
         self.run, self.source, self.vocab = run, source, vocab
         self.context = (ContextNgrams(run, context_tokens, context_ngram_size, context_matches)
                         if context_matches else None)
+        self.cost_budget = (CostAwareBudget(run.model, num_sources=CONTEXT + 1, device=run.rows.device)
+                            if cost_aware else None)
         self.context_steps = 0  # steps whose tree held context nodes
         self.budget, self.width, self.depth = budget, width, depth
         self.waves = waves  # causal head: forwards per step at most
@@ -352,9 +360,21 @@ class DraftProposer(Proposer):
         self.source.end_step()
         # with sampling, a tree holding context nodes (not drawn from q) is verified by sample-then-match
         self.drafted_nodes += sum(len(bld.tokens) - 1 for bld in builders)  # the head's nodes (drafting_cost)
-        mixed = found is not None and self._add_context(builders, found)
+        context_ranks = [{} for _ in builders]  # per row: context node -> rank of the match that made it
+        mixed = found is not None and self._add_context(builders, found, context_ranks)
         self.context_steps += int(mixed)
-        tree = self._pack(builders, q_store, sample_then_match=mixed)
+        nodes = [(bld.tokens, bld.parents, bld.depth) for bld in builders]
+        keys = None
+        if self.cost_budget is not None:
+            keys = [self._node_keys(bld, ranks) for bld, ranks in zip(builders, context_ranks)]
+            nodes, keys, q_store, trimmed = self._trim(nodes, keys, q_store)
+            # with sampling, a tree cut by the drafter's values is verified by sample-then-match: rejection
+            # sampling needs a node's siblings to be its first draws whatever their values
+            mixed = mixed or trimmed
+        tree = self._pack(nodes, q_store, sample_then_match=mixed)
+        if keys is not None:
+            width = tree.tokens.shape[1]
+            tree.node_keys = torch.tensor([k + [-1] * (width - len(k)) for k in keys], device=tree.tokens.device)
         self.steps += 1
         self.host += time.perf_counter() - t_start - (self.source.seconds - drafter_before)
         return tree
@@ -441,19 +461,21 @@ class DraftProposer(Proposer):
             logits = self.source.logits(torch.stack([hidden[i, query_slot[i][v]] for i, v in flat]))
             self._evaluate(builders, flat, logits, histories, row_ids, q_store)
 
-    def _add_context(self, builders, found) -> bool:
+    def _add_context(self, builders, found, ranks) -> bool:
         """Insert each row's context continuations into its head tree (a trie: shared prefixes merge)
-        within ``tree_budget`` drafted nodes; True when a node was added."""
+        within ``tree_budget`` drafted nodes; True when a node was added. ``ranks``: per row, filled with
+        each added node's match rank."""
         added = False
-        for bld, cands in zip(builders, found):
+        for bld, cands, row_ranks in zip(builders, found, ranks):
             child = {(p, t): v for v, (p, t) in enumerate(zip(bld.parents, bld.tokens)) if v}
-            for cand in cands:
+            for rank, cand in enumerate(cands):
                 node = 0
                 for tok in cand:
                     if (node, tok) not in child:
                         if len(bld.tokens) > self.budget:
                             break
                         child[(node, tok)] = len(bld.tokens)
+                        row_ranks[len(bld.tokens)] = rank
                         bld.tokens.append(tok)
                         bld.parents.append(node)
                         bld.depth.append(bld.depth[node] + 1)
@@ -461,15 +483,41 @@ class DraftProposer(Proposer):
                     node = child[(node, tok)]
         return added
 
-    def _pack(self, builders, q_store, sample_then_match: bool = False) -> PackedTree:
+    def _node_keys(self, bld, context_ranks: dict) -> list[int]:
+        """Each node's statistics key (:data:`Q_BUCKETS`; the root's is unused)."""
+        rank_count = self.cost_budget.max_rank
+        keys = [-1]
+        for v in range(1, len(bld.tokens)):
+            if v in context_ranks:
+                keys.append(CONTEXT * rank_count + min(context_ranks[v], rank_count - 1))
+                continue
+            q = math.exp(bld.score[v] - bld.score[bld.parents[v]])
+            keys.append(GUESSES * rank_count + sum(q < edge for edge in self.Q_BUCKETS))
+        return keys
+
+    def _trim(self, nodes, keys, q_store):
+        """The nodes the cost-aware budget keeps (:meth:`~.budget.CostAwareBudget.trim`), renumbered;
+        also whether any was cut."""
+        kept = self.cost_budget.trim(keys, [p for _, p, _ in nodes], [d for _, _, d in nodes])
+        out, out_keys, new_of = [], [], []
+        for (tokens, parents, depth), row_keys, row_kept in zip(nodes, keys, kept):
+            new = {v: j for j, v in enumerate(row_kept)}
+            new_of.append(new)
+            out.append(([tokens[v] for v in row_kept], [new.get(parents[v], -1) for v in row_kept],
+                        [depth[v] for v in row_kept]))
+            out_keys.append([row_keys[v] for v in row_kept])
+        q_store = {(i, new_of[i][v]): dist for (i, v), dist in q_store.items() if v in new_of[i]}
+        trimmed = any(len(row_kept) < len(tokens) for (tokens, _, _), row_kept in zip(nodes, kept))
+        return out, out_keys, q_store, trimmed
+
+    def _pack(self, nodes, q_store, sample_then_match: bool = False) -> PackedTree:
+        """``nodes``: per row, ``(tokens, parents, depth)`` (node 0 the root, parents first)."""
         q = None
         if self.sample and not sample_then_match:
-            q = torch.zeros(len(builders), max(len(bld.tokens) for bld in builders),
-                            self.vocab, device=self.roots.device)
+            q = torch.zeros(len(nodes), max(len(tokens) for tokens, _, _ in nodes), self.vocab, device=self.roots.device)
             for (i, v), dist in q_store.items():
                 q[i, v] = dist
-        return tree_from_parents(self.roots, [bld.tokens for bld in builders], [bld.parents for bld in builders],
-                                 [bld.depth for bld in builders], q=q)
+        return tree_from_parents(self.roots, [n[0] for n in nodes], [n[1] for n in nodes], [n[2] for n in nodes], q=q)
 
     def update(self, tree, verdict) -> None:
         self.source.update(tree, verdict, self.root_pos)
@@ -519,6 +567,7 @@ def speculative(
     context_tokens: int = 10,
     context_ngram_size: int = 3,
     drafter_dtype: str | torch.dtype | None = None,
+    cost_aware: bool = False,
     pd_streamer=None,
     **model_kwargs,
 ):
@@ -559,9 +608,16 @@ def speculative(
             only proposes, so the output does not depend on it (greedy stays exact). Default: the device
             preset's: ``"bfloat16"`` on CPUs with native bf16 matrix units (AVX512-BF16 / AMX), where a
             drafter forward costs about half of an fp32 one, else ``"target"``.
+        cost_aware: feed only the drafted nodes whose expected gain pays for their cost on this device
+            (:mod:`hf_paralleldecode.decoding.budget`): the tree is grown within ``tree_budget`` as
+            usual, then cut to the best nodes by the product along their path of how often nodes of
+            their ``q`` bucket (context nodes: their match rank) and depth were accepted in this run,
+            as many as maximise tokens per second under the forward cost measured on this device.
+            ``tree_budget`` becomes a cap (a GPU keeps wide trees, a CPU narrow ones). With
+            ``do_sample=True`` a cut tree is verified by sample-then-match (lossless for any tree).
         pd_streamer (BaseStreamer | None): see :func:`hf_paralleldecode.jacobi`.
     """
-    check_context_settings(context_matches, context_tokens, context_ngram_size, None, False)
+    check_context_settings(context_matches, context_tokens, context_ngram_size, None, cost_aware)
     check_drafter_dtype(drafter_dtype)
     preset, resolved = preset_settings(model, "speculative", tree_budget=tree_budget, drafter_dtype=drafter_dtype)
     tree_budget = resolved["tree_budget"]
@@ -572,7 +628,7 @@ def speculative(
     vocab = target_vocab_size(model)
     settings = dict(tree_budget=tree_budget, tree_width=tree_width, tree_depth=depth, context_matches=context_matches,
                     context_tokens=context_tokens, context_ngram_size=context_ngram_size, hardware_preset=preset,
-                    drafter_dtype=str(dtype).removeprefix("torch."))
+                    drafter_dtype=str(dtype).removeprefix("torch."), cost_aware=cost_aware)
     if isinstance(drafter, DiffusionDrafter):
         c = drafter.config
         steps = denoise_steps or min(c.denoise_steps, depth)
@@ -592,7 +648,7 @@ def speculative(
         return decode(
             model, "speculative",
             lambda run: DraftProposer(run, make_source(run, taps), vocab, tree_budget, tree_width, depth, waves,
-                                      context_matches, context_tokens, context_ngram_size),
+                                      context_matches, context_tokens, context_ngram_size, cost_aware),
             input_ids, logits_processor, stopping_criteria, generation_config, streamer, model_kwargs, settings,
             pd_streamer=pd_streamer,
         )
