@@ -124,3 +124,12 @@ def test_learn_counts_keyed_nodes_of_a_trimmed_tree():
     assert trials[4, :2].tolist() == [1, 1] and hits[4, :2].tolist() == [1, 0]
     assert trials[9, :1].tolist() == [1] and hits[9, :1].tolist() == [0]
     assert trials.sum() == 3 and hits.sum() == 1
+
+
+def test_a_keys_prior_sets_its_starting_rate_and_its_weight():
+    budget = flat_budget()
+    budget.acceptance.set_prior(3, 0.9)
+    assert budget.acceptance.rates()[3, :4].tolist() == pytest.approx([0.9] * 4)
+    assert budget.acceptance.rates()[2, 0] == pytest.approx(0.5)  # the other keys keep Beta(1, 1)
+    budget.acceptance._count(torch.tensor([3]), torch.tensor([0]), torch.tensor([True]), torch.tensor([False]))
+    assert budget.acceptance.rates()[3, 0] == pytest.approx(1.8 / 3)  # two verdicts' worth: one miss moves it a third

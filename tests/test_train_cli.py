@@ -244,10 +244,10 @@ def test_unknown_or_abbreviated_keys_name_the_closest_field(setup, tmp_path, cap
     spec["noise_schedul"] = "linear"  # a prefix of noise_schedule: never matched silently
     recipe.write_text(yaml.safe_dump(spec))
     assert cli.main(["train", "--config", str(recipe)]) == 2
-    assert "'noise_schedul'" in (err := capsys.readouterr().err) and "Did you mean 'noise_schedule'" in err
+    assert "'noise_schedul'" in (err := capsys.readouterr().err) and "did you mean 'noise_schedule'" in err
     good = _recipe(setup, "jacobi_forcing", tmp_path / "out2")
     assert cli.main(["train", "--config", str(good), "--max_step", "2"]) == 2
-    assert "Did you mean 'max_steps'" in capsys.readouterr().err
+    assert "did you mean 'max_steps'" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # the other subcommands do not match prefixes either
         cli.main(["bench", "--max-new", "4"])
     assert "unrecognized arguments: --max-new" in capsys.readouterr().err

@@ -127,6 +127,11 @@ class AcceptanceModel:
         self.hits = torch.full((num_sources, max_depth), prior[0], device=device)
         self.trials = torch.full((num_sources, max_depth), prior[0] + prior[1], device=device)
 
+    def set_prior(self, key: int, mean: float, strength: float = 2.0) -> None:
+        """Start ``key`` (every depth) from a prior of mean ``mean`` worth ``strength`` verdicts."""
+        self.hits[key] = mean * strength
+        self.trials[key] = strength
+
     def rates(self) -> torch.Tensor:
         return self.hits / self.trials  # [sources, depth]
 

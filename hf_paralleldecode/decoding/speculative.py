@@ -296,14 +296,20 @@ class DraftProposer(Proposer):
     #: a drafted node's statistics key under ``cost_aware``: the drafter's nodes by the bucket of their own
     #: ``q`` (``q >= 0.8``, ``0.4``, ``0.1``, below), context nodes by the rank of the match that made them
     Q_BUCKETS = (0.8, 0.4, 0.1)
+    #: the prior acceptance of each bucket (its middle ``q``, worth two verdicts): a run starts from the drafter's
+    #: own confidence, not from 1/2 at every depth (which would undervalue a confident deep chain until learned)
+    Q_PRIOR = (0.9, 0.6, 0.25, 0.05)
 
     def __init__(self, run, source, vocab, budget, width, depth, waves, context_matches=0, context_tokens=10,
                  context_ngram_size=3, cost_aware=False):
         self.run, self.source, self.vocab = run, source, vocab
         self.context = (ContextNgrams(run, context_tokens, context_ngram_size, context_matches)
                         if context_matches else None)
-        self.cost_budget = (CostAwareBudget(run.model, num_sources=CONTEXT + 1, device=run.rows.device)
-                            if cost_aware else None)
+        self.cost_budget = None
+        if cost_aware:
+            self.cost_budget = CostAwareBudget(run.model, num_sources=CONTEXT + 1, device=run.rows.device)
+            for bucket, mean in enumerate(self.Q_PRIOR):
+                self.cost_budget.acceptance.set_prior(GUESSES * self.cost_budget.max_rank + bucket, mean)
         self.context_steps = 0  # steps whose tree held context nodes
         self.budget, self.width, self.depth = budget, width, depth
         self.waves = waves  # causal head: forwards per step at most

@@ -79,16 +79,15 @@ def _field_names(*classes) -> set[str]:
 
 def _check_keys(recipe: dict, overrides: list[str], config_cls) -> None:
     """Unknown recipe keys or ``--flags`` name the closest valid key (no prefix matching, no silent drop)."""
-    import difflib
+    from ..registry import unknown_settings_hint
 
     valid = _field_names(ScriptArguments, config_cls)
     given = [(k, "recipe key") for k in recipe]
     given += [(a[2:].split("=", 1)[0].replace("-", "_"), "flag") for a in overrides if a.startswith("--")]
     for key, what in given:
         if key not in valid:
-            close = difflib.get_close_matches(key, sorted(valid), n=1)
-            hint = f" Did you mean {close[0]!r}?" if close else ""
-            raise ValueError(f"Unknown {what} {key!r} for {config_cls.__name__}.{hint} "
+            hint = unknown_settings_hint([key], sorted(valid))
+            raise ValueError(f"Unknown {what} {key!r} for {config_cls.__name__}{hint}. "
                              "(`hf-paralleldecode train --config RECIPE --help` lists every field.)")
 
 
