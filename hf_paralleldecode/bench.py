@@ -314,6 +314,9 @@ def _one_run(model, enc, spec: StrategySpec | None, max_new_tokens: int, timer: 
         generated=gen.cpu(),
         resolved=resolved,
         draft=draft if ours and "accepted_lengths" in stats else None,
+        # cost-aware budgets: optional nodes fed, summed over the run's steps
+        budget_nodes=stats.get("budget_optional_nodes_per_step", 0.0) * max(timer.count - 1, 0) if ours else 0.0,
+        budgeted="budget_optional_nodes_per_step" in stats if ours else False,
     )
 
 
@@ -369,7 +372,8 @@ def run_benchmark(
         for _ in range(repeats):
             drafts = {lab: None for lab in labels}
             acc = {lab: dict(seconds=0.0, decode_seconds=0.0, tokens=0, decode_tokens=0, forwards=0,
-                             forward_seconds=0.0, rows=0, row_forwards=0) for lab in labels}
+                             forward_seconds=0.0, rows=0, row_forwards=0, budget_nodes=0.0, budget_steps=0)
+                   for lab in labels}
             for enc in encoded:
                 ar_generated = None
                 for lab, spec in zip(labels, entries):
@@ -381,6 +385,9 @@ def run_benchmark(
                     a["decode_tokens"] += res["tokens"] - rows
                     a["rows"] += rows
                     a["row_forwards"] += res["row_forwards"]
+                    if res["budgeted"]:
+                        a["budget_nodes"] += res["budget_nodes"]
+                        a["budget_steps"] += max(res["forwards"] - 1, 0)
                     resolved[lab] = res["resolved"] or resolved[lab]
                     if res["draft"] is not None:
                         d = drafts[lab] = drafts[lab] or dict(accepted=[], seconds=0.0, forwards=0, tokens=0.0)
@@ -438,6 +445,9 @@ def run_benchmark(
             # host time (everything but the target forwards) per decoding step, in milliseconds
             host_ms_per_step=med(1e3 * (r["seconds"] - r["forward_seconds"]) / max(r["forwards"], 1) for r in runs),
             forward_passes=med(r["forwards"] for r in runs),
+            # cost_aware=True: optional (drafted) nodes the budget fed per step
+            **({"budget_optional_nodes_per_step": med(r["budget_nodes"] / max(r["budget_steps"], 1) for r in runs)}
+               if any(r["budget_steps"] for r in runs) else {}),
             generated_tokens=med(r["tokens"] for r in runs),
             seconds=med(r["seconds"] for r in runs),
         )

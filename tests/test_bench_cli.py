@@ -45,6 +45,16 @@ def test_benchmark_reports_every_figure_and_writes_json_and_png(tmp_path, batch_
     assert "jacobi(block_size=16)" in format_report(report) and "host ms/step" in format_report(report)
 
 
+def test_cost_aware_entries_report_the_nodes_their_budget_fed():
+    model = tiny_model("llama")
+    prompts = ["t5 t6 t7 t5 t6 t7 t5 t6", "t9 t10 t9 t10 t9"]
+    specs = [parse_strategy("prompt_lookup:cost_aware=true"), parse_strategy("prompt_lookup")]
+    report = run_benchmark(model, word_tokenizer(), prompts, specs, max_new_tokens=10, repeats=1, progress=False)
+    budgeted = report["results"]["prompt_lookup(cost_aware=True)"]
+    assert budgeted["exact_match_vs_ar"] == 1.0 and budgeted["budget_optional_nodes_per_step"] >= 0
+    assert "budget_optional_nodes_per_step" not in report["results"]["prompt_lookup"]
+
+
 def test_cli_env(capsys):
     assert cli.main(["env"]) == 0
     out = capsys.readouterr().out
