@@ -133,3 +133,48 @@ def test_a_keys_prior_sets_its_starting_rate_and_its_weight():
     assert budget.acceptance.rates()[2, 0] == pytest.approx(0.5)  # the other keys keep Beta(1, 1)
     budget.acceptance._count(torch.tensor([3]), torch.tensor([0]), torch.tensor([True]), torch.tensor([False]))
     assert budget.acceptance.rates()[3, 0] == pytest.approx(1.8 / 3)  # two verdicts' worth: one miss moves it a third
+
+
+def test_statistics_carry_over_to_the_owners_next_call_capped_and_per_name():
+    import gc
+
+    class Owner:  # anything weakly referenceable: a model, a drafter
+        pass
+
+    owner = Owner()
+    first = CostAwareBudget(None, num_sources=3, cost=ForwardCost([(1, 1.0), (256, 1.0)]), memory=(owner, "lookahead"))
+    assert not first.carried
+    first.acceptance.hits[8, 0], first.acceptance.trials[8, 0] = 91.0, 102.0  # 100 verdicts, 90 accepted
+    first.acceptance.hits[4, 1], first.acceptance.trials[4, 1] = 2.0, 4.0  # 2 verdicts
+    first.remember()
+    second = CostAwareBudget(None, num_sources=3, cost=ForwardCost([(1, 1.0), (256, 1.0)]), memory=(owner, "lookahead"))
+    assert second.carried
+    rates = second.acceptance.rates()
+    assert rates[8, 0] == pytest.approx(91 / 102) and second.acceptance.trials[8, 0] == pytest.approx(32.0)
+    assert rates[4, 1] == pytest.approx(0.5) and second.acceptance.trials[4, 1] == pytest.approx(4.0)
+    assert not CostAwareBudget(None, num_sources=3, cost=ForwardCost([(1, 1.0), (256, 1.0)]),
+                               memory=(owner, "jacobi_forcing")).carried  # another strategy starts afresh
+    assert not CostAwareBudget(None, num_sources=3, cost=ForwardCost([(1, 1.0), (256, 1.0)]),
+                               memory=(Owner(), "lookahead")).carried  # another owner too
+    from hf_paralleldecode.decoding import budget as budget_module
+
+    del owner, first, second
+    gc.collect()
+    assert not any(isinstance(k, Owner) for k in budget_module._LEARNED.keys())  # held weakly
+
+
+def test_a_second_generate_call_starts_from_the_first_calls_statistics():
+    model = enabled("llama")
+    ids, mask = prompts(2)
+    ids, mask = torch.cat([ids, ids], 1), torch.cat([mask, mask], 1)
+    ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
+    from hf_paralleldecode.decoding import budget as budget_module
+
+    budget_module._LEARNED.pop(model, None)
+    carried = []
+    for _ in range(2):
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
+                             decoding="prompt_lookup", cost_aware=True, return_dict_in_generate=True)
+        assert torch.equal(out.sequences, ref)
+        carried.append(out.stats["budget_carried_statistics"])
+    assert carried == [False, True]

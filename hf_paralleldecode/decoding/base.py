@@ -454,5 +454,6 @@ def decode(model, name, make_proposer, input_ids, logits_processor, stopping_cri
             proposer.update(tree, verdict)
         run.stats.update(proposer.stats)
         if proposer.cost_budget is not None:
+            proposer.cost_budget.remember()
             run.stats.update(proposer.cost_budget.stats)
     return run.result(bool(generation_config.return_dict_in_generate), wall_start)

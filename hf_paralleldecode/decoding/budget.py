@@ -80,6 +80,7 @@ class ForwardCost:
 
 
 _COSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {(device, dtype): measured points}
+_LEARNED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # owner -> {name: (hits, trials)} of its last call
 
 
 @torch.no_grad()
@@ -126,6 +127,13 @@ class AcceptanceModel:
     def __init__(self, num_sources: int, max_depth: int = 64, prior: tuple[float, float] = (1.0, 1.0), device=None):
         self.hits = torch.full((num_sources, max_depth), prior[0], device=device)
         self.trials = torch.full((num_sources, max_depth), prior[0] + prior[1], device=device)
+
+    def carry(self, hits: torch.Tensor, trials: torch.Tensor, cap: float) -> None:
+        """Start from counts learned before (another call), each cell scaled down to at most ``cap`` trials:
+        their rates, with a weight the run's own verdicts soon outweigh."""
+        scale = (cap / trials).clamp(max=1.0)
+        self.hits = (hits * scale).to(self.hits.device)
+        self.trials = (trials * scale).to(self.trials.device)
 
     def set_prior(self, key: int, mean: float, strength: float = 2.0) -> None:
         """Start ``key`` (every depth) from a prior of mean ``mean`` worth ``strength`` verdicts."""
@@ -188,9 +196,21 @@ class CostAwareBudget:
     #: right far more often than the fourth); ranks from this one on share their statistics
     max_rank: int = 4
 
-    def __init__(self, model, num_sources: int, mandatory_sources=(), cost: ForwardCost | None = None, device=None):
+    #: trials per (key, depth) cell that a call carries over from the previous call of the same owner
+    carried_trials: float = 32.0
+
+    def __init__(self, model, num_sources: int, mandatory_sources=(), cost: ForwardCost | None = None, device=None,
+                 memory: tuple | None = None):
+        """``memory``: ``(owner, name)``. The acceptance statistics start from those of ``owner``'s last call
+        under ``name`` (at most :attr:`carried_trials` verdicts per cell; :attr:`carried` says whether any were),
+        and :meth:`remember` stores this call's. The owner is held weakly (a model, a drafter)."""
         self.cost = cost if cost is not None else forward_cost(model)
         self.acceptance = AcceptanceModel(num_sources * self.max_rank, device=device)
+        self.memory = memory
+        known = _LEARNED.get(memory[0], {}).get(memory[1]) if memory is not None else None
+        self.carried = known is not None and known[0].shape == self.acceptance.hits.shape
+        if self.carried:
+            self.acceptance.carry(*known, self.carried_trials)
         self.mandatory_sources = tuple(mandatory_sources)
         self.host_seconds = 0.0  # moving average of the host work per step
         self._last = None  # (wall clock, forward seconds) at the previous choice
@@ -215,6 +235,12 @@ class CostAwareBudget:
     def learn(self, tree, verdict) -> None:
         """After a verification: what each source's nodes achieved (see :class:`AcceptanceModel`)."""
         self.acceptance.update(tree, verdict)
+
+    def remember(self) -> None:
+        """At the end of a call: keep its statistics for the owner's next call (see ``memory``)."""
+        if self.memory is not None:
+            owner, name = self.memory
+            _LEARNED.setdefault(owner, {})[name] = (self.acceptance.hits.clone(), self.acceptance.trials.clone())
 
     def observe(self, forward_seconds: float, tokens: int | None = None) -> None:
         """After a step: the target's cumulated forward time and the tokens the last forward fed.
@@ -277,5 +303,6 @@ class CostAwareBudget:
         return {
             "budget_optional_nodes_per_step": self.chosen / max(self.steps, 1),
             "budget_host_ms_per_step": 1e3 * self.host_seconds,
+            "budget_carried_statistics": self.carried,
             "forward_cost": self.cost.to_dict(),
         }

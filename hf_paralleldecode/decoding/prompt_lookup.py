@@ -154,7 +154,8 @@ class ComposedTreeProposer(Proposer):
                         if context_matches else None)
         self.max_nodes = None if tree_budget is None else tree_budget + 1
         self.cost_budget = (CostAwareBudget(run.model, num_sources=3, mandatory_sources=mandatory,
-                                            device=run.rows.device) if cost_aware else None)
+                                            device=run.rows.device, memory=(run.model, run.name))
+                            if cost_aware else None)
 
     def context_candidates(self, counts: list[int]) -> list[list[list[int]]]:
         """Per active row: the context continuations (none when the source is off)."""

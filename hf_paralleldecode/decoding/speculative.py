@@ -250,6 +250,7 @@ class _HeadSource:
 
     def __init__(self, run, head, taps):
         self.head, self.taps = head, taps
+        self.drafter = head  # what every source calls its drafter
         self.kind = "waves" if head.config.attention == "tree_causal" else "marginals"
         self.mask_id = head.config.mask_token_id
         self.ctx = _HeadContext(head, run.rows.shape[0], run.rows.device)
@@ -307,8 +308,10 @@ class DraftProposer(Proposer):
                         if context_matches else None)
         self.cost_budget = None
         if cost_aware:
-            self.cost_budget = CostAwareBudget(run.model, num_sources=CONTEXT + 1, device=run.rows.device)
-            for bucket, mean in enumerate(self.Q_PRIOR):
+            # the drafter's calibration carries over from its last call on this target (the owner: the drafter)
+            self.cost_budget = CostAwareBudget(run.model, num_sources=CONTEXT + 1, device=run.rows.device,
+                                               memory=(source.drafter, ("speculative", id(run.model))))
+            for bucket, mean in enumerate(() if self.cost_budget.carried else self.Q_PRIOR):
                 self.cost_budget.acceptance.set_prior(GUESSES * self.cost_budget.max_rank + bucket, mean)
         self.context_steps = 0  # steps whose tree held context nodes
         self.budget, self.width, self.depth = budget, width, depth
