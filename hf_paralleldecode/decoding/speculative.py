@@ -620,8 +620,9 @@ def speculative(
         cost_aware: feed only the drafted nodes whose expected gain pays for their cost on this device
             (:mod:`hf_paralleldecode.decoding.budget`): the tree is grown within ``tree_budget`` as
             usual, then cut to the best nodes by the product along their path of how often nodes of
-            their ``q`` bucket (context nodes: their match rank) and depth were accepted in this run,
-            as many as maximise tokens per second under the forward cost measured on this device.
+            their ``q`` bucket (context nodes: their match rank) and depth were accepted (in this run,
+            starting from the drafter's previous call on this model), as many as maximise tokens per
+            second under the forward cost measured on this device.
             ``tree_budget`` becomes a cap (a GPU keeps wide trees, a CPU narrow ones). With
             ``do_sample=True`` a cut tree is verified by sample-then-match (lossless for any tree).
         pd_streamer (BaseStreamer | None): see :func:`hf_paralleldecode.jacobi`.
