@@ -165,6 +165,44 @@ def test_cost_aware_trees_match_stock_greedy_and_a_steep_cost_feeds_fewer_nodes(
     assert chosen[0.5] < chosen[0.0] <= 12
 
 
+@pytest.mark.parametrize("settings", [dict(context_matches=2, context_tokens=1, tree_width=4), dict(cost_aware=True)],
+                         ids=["context", "cost_aware"])  # context: a 1-token candidate is mostly among the draws
+def test_sampled_steps_choose_their_verification_rule_before_the_draws(monkeypatch, settings):
+    """Rejection sampling is lossless only averaged over every draw: a rule that switched to it on the draws
+    that happen to cover the context candidates, or that a cost-aware cut leaves whole, would be biased."""
+    from hf_paralleldecode.decoding.prompt_lookup import ContextNgrams
+    from hf_paralleldecode.decoding.speculative import DraftProposer
+
+    linear_cost(monkeypatch, 0.0)  # flat: a cost-aware budget cuts nothing
+    steps = []
+    pack, candidates = DraftProposer._pack, ContextNgrams.candidates
+
+    def record_candidates(self, counts):
+        found = candidates(self, counts)
+        steps.append({"candidates": any(found)})
+        return found
+
+    def record_pack(self, nodes, q_store, sample_then_match=False):
+        if not steps or "rule" in steps[-1]:
+            steps.append({"candidates": False})
+        steps[-1]["rule"] = sample_then_match
+        return pack(self, nodes, q_store, sample_then_match)
+
+    monkeypatch.setattr(ContextNgrams, "candidates", record_candidates)
+    monkeypatch.setattr(DraftProposer, "_pack", record_pack)
+    model = hfpd.enable(tiny_model("llama", vocab_size=5, initializer_range=0.05))
+    ids = torch.tensor([[3, 4, 3, 4, 3, 4, 3]]).repeat(3, 1)
+    torch.manual_seed(0)
+    model.generate(input_ids=ids, max_new_tokens=12, do_sample=True, eos_token_id=None, decoding="speculative",
+                   drafter=head_for(model, "tree_causal", block_size=3), tree_budget=6, **{"tree_width": 2, **settings})
+    assert steps and all("rule" in step for step in steps)
+    if settings.get("cost_aware"):
+        assert all(step["rule"] for step in steps)  # every step: the cut may depend on the draws
+    else:
+        assert any(step["candidates"] for step in steps)
+        assert all(step["rule"] == step["candidates"] for step in steps)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", [*KINDS, "deer"])
 def test_cost_aware_sampled_output_distribution_equals_stock(monkeypatch, kind):

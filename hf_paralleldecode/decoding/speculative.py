@@ -308,9 +308,9 @@ class DraftProposer(Proposer):
                         if context_matches else None)
         self.cost_budget = None
         if cost_aware:
-            # the drafter's calibration carries over from its last call on this target (the owner: the drafter)
+            # the drafter's calibration carries over from its last call (a drafter serves one target)
             self.cost_budget = CostAwareBudget(run.model, num_sources=CONTEXT + 1, device=run.rows.device,
-                                               memory=(source.drafter, ("speculative", id(run.model))))
+                                               memory=(source.drafter, "speculative"))
             for bucket, mean in enumerate(() if self.cost_budget.carried else self.Q_PRIOR):
                 self.cost_budget.acceptance.set_prior(GUESSES * self.cost_budget.max_rank + bucket, mean)
         self.context_steps = 0  # steps whose tree held context nodes
@@ -367,26 +367,32 @@ class DraftProposer(Proposer):
         else:
             self._grow_marginals(builders, histories, row_ids, q_store)
         self.source.end_step()
-        # with sampling, a tree holding context nodes (not drawn from q) is verified by sample-then-match
         self.drafted_nodes += sum(len(bld.tokens) - 1 for bld in builders)  # the head's nodes (drafting_cost)
         context_ranks = [{} for _ in builders]  # per row: context node -> rank of the match that made it
-        mixed = found is not None and self._add_context(builders, found, context_ranks)
-        self.context_steps += int(mixed)
+        added = found is not None and self._add_context(builders, found, context_ranks)
+        self.context_steps += int(added)
         nodes = [(bld.tokens, bld.parents, bld.depth) for bld in builders]
         keys = None
         if self.cost_budget is not None:
             keys = [self._node_keys(bld, ranks) for bld, ranks in zip(builders, context_ranks)]
-            nodes, keys, q_store, trimmed = self._trim(nodes, keys, q_store)
-            # with sampling, a tree cut by the drafter's values is verified by sample-then-match: rejection
-            # sampling needs a node's siblings to be its first draws whatever their values
-            mixed = mixed or trimmed
-        tree = self._pack(nodes, q_store, sample_then_match=mixed)
+            nodes, keys, q_store = self._trim(nodes, keys, q_store)
+        tree = self._pack(nodes, q_store, sample_then_match=self._sample_then_match(found))
         if keys is not None:
             width = tree.tokens.shape[1]
             tree.node_keys = torch.tensor([k + [-1] * (width - len(k)) for k in keys], device=tree.tokens.device)
         self.steps += 1
         self.host += time.perf_counter() - t_start - (self.source.seconds - drafter_before)
         return tree
+
+    def _sample_then_match(self, found) -> bool:
+        """With sampling: whether this step's tree is verified by sample-then-match (lossless for any tree)
+        instead of multi-draft rejection sampling with ``q`` (lossless only averaged over every draw).
+
+        The choice must not depend on this step's draws, or the draws that get rejection sampling would be a
+        biased subset. So it is made from what is known before drafting: the step has context candidates (a
+        context node is not drawn from ``q``; whether it merges with a draw depends on the draw), or the tree
+        is cut by a cost-aware budget (which keeps a node according to its drawn value)."""
+        return self.cost_budget is not None or (found is not None and any(found))
 
     @staticmethod
     def _flat(wanted) -> list[tuple[int, int]]:
@@ -505,8 +511,7 @@ class DraftProposer(Proposer):
         return keys
 
     def _trim(self, nodes, keys, q_store):
-        """The nodes the cost-aware budget keeps (:meth:`~.budget.CostAwareBudget.trim`), renumbered;
-        also whether any was cut."""
+        """The nodes the cost-aware budget keeps (:meth:`~.budget.CostAwareBudget.trim`), renumbered."""
         kept = self.cost_budget.trim(keys, [p for _, p, _ in nodes], [d for _, _, d in nodes])
         out, out_keys, new_of = [], [], []
         for (tokens, parents, depth), row_keys, row_kept in zip(nodes, keys, kept):
@@ -516,8 +521,7 @@ class DraftProposer(Proposer):
                         [depth[v] for v in row_kept]))
             out_keys.append([row_keys[v] for v in row_kept])
         q_store = {(i, new_of[i][v]): dist for (i, v), dist in q_store.items() if v in new_of[i]}
-        trimmed = any(len(row_kept) < len(tokens) for (tokens, _, _), row_kept in zip(nodes, kept))
-        return out, out_keys, q_store, trimmed
+        return out, out_keys, q_store
 
     def _pack(self, nodes, q_store, sample_then_match: bool = False) -> PackedTree:
         """``nodes``: per row, ``(tokens, parents, depth)`` (node 0 the root, parents first)."""
@@ -605,8 +609,9 @@ def speculative(
         context_matches: continuations of the row's suffix found in its prompt and output (context
             n-grams, as ``decoding="prompt_lookup"``) merged into the head's tree; they share
             ``tree_budget`` (up to half of it is kept for them). 0 = none. With ``do_sample=True``
-            a step whose tree holds context nodes is verified by sample-then-match (lossless for
-            any tree; rejection sampling needs every child drawn from ``q``).
+            a step with context candidates is verified by sample-then-match (lossless for any tree;
+            rejection sampling needs every child drawn from ``q``, and the choice of rule may not
+            depend on the draws).
         context_tokens: tokens of each context continuation.
         context_ngram_size: longest suffix looked up in the context.
         denoise_steps: diffusion drafters only: denoising forwards per draft (default: the drafter's
@@ -624,7 +629,8 @@ def speculative(
             starting from the drafter's previous call on this model), as many as maximise tokens per
             second under the forward cost measured on this device.
             ``tree_budget`` becomes a cap (a GPU keeps wide trees, a CPU narrow ones). With
-            ``do_sample=True`` a cut tree is verified by sample-then-match (lossless for any tree).
+            ``do_sample=True`` every step is verified by sample-then-match (lossless for any tree):
+            the cut depends on the drawn tokens' values, so rejection sampling would be biased.
         pd_streamer (BaseStreamer | None): see :func:`hf_paralleldecode.jacobi`.
     """
     check_context_settings(context_matches, context_tokens, context_ngram_size, None, cost_aware)
