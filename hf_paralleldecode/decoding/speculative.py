@@ -626,7 +626,7 @@ def speculative(
             (:mod:`hf_paralleldecode.decoding.budget`): the tree is grown within ``tree_budget`` as
             usual, then cut to the best nodes by the product along their path of how often nodes of
             their ``q`` bucket (context nodes: their match rank) and depth were accepted (in this run,
-            starting from the drafter's previous call on this model), as many as maximise tokens per
+            starting from the drafter's previous call), as many as maximise tokens per
             second under the forward cost measured on this device.
             ``tree_budget`` becomes a cap (a GPU keeps wide trees, a CPU narrow ones). With
             ``do_sample=True`` every step is verified by sample-then-match (lossless for any tree):
