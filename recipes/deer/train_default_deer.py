@@ -31,7 +31,14 @@ stage II):
 
 Stage I reads the 1603 answers to function openings; stage II reads those plus the answers to 4803 mid-file
 windows of training files (a first version ran stage II for 300 steps on the openings' answers only: see
-docs/methods/deer.md). The Jacobi Forcing model's drafter (shipped inside that checkpoint, ``drafter/``)
+docs/methods/deer.md). The shipped drafters then ran stage II once more, 1500 steps at half the learning rate,
+from the first stage II's drafter (given as ``--stage1``; the exported ``training_report.json`` lists stage 0, the
+first stage II and the second):
+
+    python recipes/deer/train_default_deer.py --stage0 runs/deer/stage0 --stage1 runs/deer/stage2 \
+        --work_dir runs/deer_v4/base --regen runs/deer/regen runs/deer/regen_midfile runs/deer/regen_midfile8 \
+        --steps 1000 400 1500 --lr 1e-3 5e-4 1e-4 --export_dtype bfloat16 \
+        --export_dir hf_paralleldecode/assets/stdlib-coder-8m-deer The Jacobi Forcing model's drafter (shipped inside that checkpoint, ``drafter/``)
 shares stage 0 and is aligned to the Jacobi Forcing model's own answers to the same prompts:
 
     for S in "" _midfile _midfile8; do
@@ -41,6 +48,10 @@ shares stage 0 and is aligned to the Jacobi Forcing model's own answers to the s
     python recipes/deer/train_default_deer.py --target default-trained --stage0 runs/deer/stage0 --work_dir runs/deer_jf \
         --regen runs/deer_jf/regen runs/deer_jf/regen_midfile runs/deer_jf/regen_midfile8 --steps 1000 400 1500 \
         --export_dtype bfloat16 --export_dir hf_paralleldecode/assets/stdlib-coder-8m-jacobi-forcing/drafter
+    python recipes/deer/train_default_deer.py --target default-trained --stage0 runs/deer/stage0 \
+        --stage1 runs/deer_jf/stage2 --work_dir runs/deer_v4/jf --regen runs/deer_jf/regen runs/deer_jf/regen_midfile \
+        runs/deer_jf/regen_midfile8 --steps 1000 400 1500 --lr 1e-3 5e-4 1e-4 --export_dtype bfloat16 \
+        --export_dir hf_paralleldecode/assets/stdlib-coder-8m-jacobi-forcing/drafter
 """
 
 from __future__ import annotations
