@@ -217,14 +217,18 @@ class CostAwareBudget:
         self.steps = 0
         self.chosen = 0
 
+    def key(self, source: int, rank: int) -> int:
+        """Statistics key of a source's candidate (or node) of ``rank``: ranks from ``max_rank - 1`` on share one."""
+        return source * self.max_rank + min(rank, self.max_rank - 1)
+
     def keys(self, sources: list[int]) -> list[int]:
-        """Statistics key of each of a row's candidates: ``source * max_rank + rank within its source``."""
+        """Statistics key of each of a row's candidates: :meth:`key` of its source and rank within its source."""
         seen: dict[int, int] = {}
         out = []
         for s in sources:
             rank = seen.get(s, 0)
             seen[s] = rank + 1
-            out.append(s * self.max_rank + min(rank, self.max_rank - 1))
+            out.append(self.key(s, rank))
         return out
 
     def is_mandatory(self, keys: torch.Tensor) -> torch.Tensor:

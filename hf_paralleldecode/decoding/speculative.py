@@ -312,7 +312,7 @@ class DraftProposer(Proposer):
             self.cost_budget = CostAwareBudget(run.model, num_sources=CONTEXT + 1, device=run.rows.device,
                                                memory=(source.drafter, "speculative"))
             for bucket, mean in enumerate(() if self.cost_budget.carried else self.Q_PRIOR):
-                self.cost_budget.acceptance.set_prior(GUESSES * self.cost_budget.max_rank + bucket, mean)
+                self.cost_budget.acceptance.set_prior(self.cost_budget.key(GUESSES, bucket), mean)
         self.context_steps = 0  # steps whose tree held context nodes
         self.budget, self.width, self.depth = budget, width, depth
         self.waves = waves  # causal head: forwards per step at most
@@ -375,7 +375,7 @@ class DraftProposer(Proposer):
         keys = None
         if self.cost_budget is not None:
             keys = [self._node_keys(bld, ranks) for bld, ranks in zip(builders, context_ranks)]
-            nodes, keys, q_store = self._trim(nodes, keys, q_store)
+            nodes, keys = self._trim(nodes, keys)
         tree = self._pack(nodes, q_store, sample_then_match=self._sample_then_match(found))
         if keys is not None:
             width = tree.tokens.shape[1]
@@ -500,28 +500,27 @@ class DraftProposer(Proposer):
 
     def _node_keys(self, bld, context_ranks: dict) -> list[int]:
         """Each node's statistics key (:data:`Q_BUCKETS`; the root's is unused)."""
-        rank_count = self.cost_budget.max_rank
+        key = self.cost_budget.key
         keys = [-1]
         for v in range(1, len(bld.tokens)):
             if v in context_ranks:
-                keys.append(CONTEXT * rank_count + min(context_ranks[v], rank_count - 1))
+                keys.append(key(CONTEXT, context_ranks[v]))
                 continue
             q = math.exp(bld.score[v] - bld.score[bld.parents[v]])
-            keys.append(GUESSES * rank_count + sum(q < edge for edge in self.Q_BUCKETS))
+            keys.append(key(GUESSES, sum(q < edge for edge in self.Q_BUCKETS)))
         return keys
 
-    def _trim(self, nodes, keys, q_store):
-        """The nodes the cost-aware budget keeps (:meth:`~.budget.CostAwareBudget.trim`), renumbered."""
+    def _trim(self, nodes, keys):
+        """The nodes the cost-aware budget keeps (:meth:`~.budget.CostAwareBudget.trim`), renumbered, and their keys.
+        (No ``q`` follows them: a cost-aware step is verified by sample-then-match, see :meth:`_sample_then_match`.)"""
         kept = self.cost_budget.trim(keys, [p for _, p, _ in nodes], [d for _, _, d in nodes])
-        out, out_keys, new_of = [], [], []
+        out, out_keys = [], []
         for (tokens, parents, depth), row_keys, row_kept in zip(nodes, keys, kept):
             new = {v: j for j, v in enumerate(row_kept)}
-            new_of.append(new)
             out.append(([tokens[v] for v in row_kept], [new.get(parents[v], -1) for v in row_kept],
                         [depth[v] for v in row_kept]))
             out_keys.append([row_keys[v] for v in row_kept])
-        q_store = {(i, new_of[i][v]): dist for (i, v), dist in q_store.items() if v in new_of[i]}
-        return out, out_keys, q_store
+        return out, out_keys
 
     def _pack(self, nodes, q_store, sample_then_match: bool = False) -> PackedTree:
         """``nodes``: per row, ``(tokens, parents, depth)`` (node 0 the root, parents first)."""
