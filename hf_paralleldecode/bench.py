@@ -302,6 +302,7 @@ def _one_run(model, enc, spec: StrategySpec | None, max_new_tokens: int, timer: 
     sync()
     t1 = time.perf_counter()
     tokens = _count_generated(gen, pad, eos)
+    budget_steps = max(timer.count - 1, 0) if ours and "budget_optional_nodes_per_step" in stats else 0
     first = clock.first_token_time or t1
     return dict(
         seconds=t1 - t0,
@@ -314,9 +315,9 @@ def _one_run(model, enc, spec: StrategySpec | None, max_new_tokens: int, timer: 
         generated=gen.cpu(),
         resolved=resolved,
         draft=draft if ours and "accepted_lengths" in stats else None,
-        # cost-aware budgets: optional nodes fed, summed over the run's steps
-        budget_nodes=stats.get("budget_optional_nodes_per_step", 0.0) * max(timer.count - 1, 0) if ours else 0.0,
-        budgeted="budget_optional_nodes_per_step" in stats if ours else False,
+        # cost-aware budgets: the decoding steps they chose for, and the optional nodes fed over them
+        budget_steps=budget_steps,
+        budget_nodes=stats.get("budget_optional_nodes_per_step", 0.0) * budget_steps,
     )
 
 
@@ -385,9 +386,8 @@ def run_benchmark(
                     a["decode_tokens"] += res["tokens"] - rows
                     a["rows"] += rows
                     a["row_forwards"] += res["row_forwards"]
-                    if res["budgeted"]:
-                        a["budget_nodes"] += res["budget_nodes"]
-                        a["budget_steps"] += max(res["forwards"] - 1, 0)
+                    a["budget_nodes"] += res["budget_nodes"]
+                    a["budget_steps"] += res["budget_steps"]
                     resolved[lab] = res["resolved"] or resolved[lab]
                     if res["draft"] is not None:
                         d = drafts[lab] = drafts[lab] or dict(accepted=[], seconds=0.0, forwards=0, tokens=0.0)
