@@ -165,6 +165,19 @@ def test_cost_aware_trees_match_stock_greedy_and_a_steep_cost_feeds_fewer_nodes(
     assert chosen[0.5] < chosen[0.0] <= 12
 
 
+@pytest.mark.parametrize("arch", MAIN_ARCHS)
+def test_cost_aware_trees_match_stock_greedy_on_every_main_architecture(monkeypatch, arch):
+    model = enabled(arch)
+    ids, mask = prompts(3)  # left-padded rows of different lengths
+    linear_cost(monkeypatch, 0.2)  # some nodes pay, some do not: trees are cut
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False, decoding="speculative",
+                         drafter=head_for(model, "block_bidirectional"), tree_budget=16, tree_width=3, cost_aware=True,
+                         return_dict_in_generate=True)
+    torch.testing.assert_close(out.sequences, reference(arch, 3, 24), rtol=0, atol=0)
+    assert out.stats["budget_optional_nodes_per_step"] < 16
+    assert out.num_forward_passes == len(out.stats["accepted_lengths"]) + 1  # one per step, plus the prefill
+
+
 @pytest.mark.parametrize("settings", [dict(context_matches=2, context_tokens=1, tree_width=4), dict(cost_aware=True)],
                          ids=["context", "cost_aware"])  # context: a 1-token candidate is mostly among the draws
 def test_sampled_steps_choose_their_verification_rule_before_the_draws(monkeypatch, settings):
