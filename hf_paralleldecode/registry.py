@@ -2,7 +2,8 @@
 
 Built-in names (registered when this module is imported): ``"jacobi"``, ``"jacobi_forcing"``,
 ``"lookahead"`` and ``"speculative"``. Third parties may register their own callables; a strategy
-must accept the arguments of ``GenerationMixin._sample``.
+must accept the arguments ``generate`` hands every ``custom_generate`` callable
+(:data:`hf_paralleldecode.compat.SAMPLE_ARGUMENTS`).
 """
 
 from __future__ import annotations
@@ -11,11 +12,12 @@ import difflib
 import inspect
 from collections.abc import Callable
 
+from .compat import SAMPLE_ARGUMENTS
+
 __all__ = ["register_decoding", "get_decoding", "available_decodings", "decoding_settings", "unknown_settings_hint"]
 
 #: what ``generate`` hands every strategy itself: not settings a caller passes
-GENERATE_ARGUMENTS = frozenset({"model", "input_ids", "logits_processor", "stopping_criteria", "generation_config",
-                                "synced_gpus", "streamer", "model_kwargs"})
+GENERATE_ARGUMENTS = frozenset(SAMPLE_ARGUMENTS - {"self"} | {"model"})
 
 _REGISTRY: dict[str, Callable] = {}
 

@@ -8,6 +8,7 @@ import torch
 import transformers
 
 import hf_paralleldecode as hfpd
+from hf_paralleldecode.compat import user_cache
 
 VOCAB = 97
 BOS, EOS, PAD = 1, 2, 0
@@ -108,7 +109,7 @@ class ForwardRecorder:
         orig = model.forward
 
         def forward(*args, **kwargs):
-            cache = kwargs.get("past_key_values")
+            cache = user_cache(kwargs)
             self.calls.append(dict(
                 fed=kwargs["input_ids"].shape[1],
                 cached=cache.get_seq_length() if cache is not None else 0,

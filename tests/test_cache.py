@@ -7,6 +7,7 @@ import torch
 from models import prompts, tiny_model
 from transformers import DynamicCache
 
+from hf_paralleldecode.compat import cache_kwargs
 from hf_paralleldecode.decoding.cache import SlotCache
 
 # A 4-node tree: 0 is the root (last committed token), 1 and 2 are children of 0, 3 a child of 2.
@@ -36,14 +37,14 @@ def test_tree_keep_then_continue_matches_full_recompute(arch, compact):
     ids, mask = prompts(2, length=6, pad_left=(0, 2))
     cache = DynamicCache()
     with torch.no_grad():
-        model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True,
+        model(input_ids=ids, attention_mask=mask, use_cache=True, **cache_kwargs(model, cache),
               position_ids=(mask.cumsum(-1) - 1).clamp(min=0))
     slots = SlotCache(cache, mask.bool(), dtype=torch.float32)
     nodes = torch.tensor([[10, 11, 12, 13], [20, 21, 22, 23]])
     positions = slots.num_valid[:, None] + torch.tensor(DEPTH)[None]
     with torch.no_grad():
         model(input_ids=nodes, position_ids=positions, attention_mask=slots.attention_mask(tree_mask()),
-              past_key_values=cache, use_cache=True)
+              use_cache=True, **cache_kwargs(model, cache))
     keep = torch.tensor([[1, 0, 1, 1], [1, 1, 0, 0]], dtype=torch.bool)  # row 0: path 0-2-3, row 1: 0-1
     slots.commit(keep)
     assert cache.get_seq_length() == slots.num_slots == 6 + 3  # trailing column cropped
@@ -54,7 +55,7 @@ def test_tree_keep_then_continue_matches_full_recompute(arch, compact):
     with torch.no_grad():
         out = model(input_ids=nxt, position_ids=slots.num_valid[:, None],
                     attention_mask=slots.attention_mask(torch.ones(1, 1, dtype=torch.bool)),
-                    past_key_values=cache, use_cache=True).logits[:, -1]
+                    use_cache=True, **cache_kwargs(model, cache)).logits[:, -1]
         paths = [[10, 12, 13, 30], [20, 21, 40]]
         for row in range(2):
             prompt = ids[row][mask[row] == 1].tolist()
@@ -66,12 +67,12 @@ def test_prefix_keeps_need_no_gather_and_batch_one_has_no_holes():
     ids, mask = prompts(1, length=5)
     cache = DynamicCache()
     with torch.no_grad():
-        model(input_ids=ids, past_key_values=cache, use_cache=True)
+        model(input_ids=ids, use_cache=True, **cache_kwargs(model, cache))
     slots = SlotCache(cache, mask.bool(), dtype=torch.float32)
     with torch.no_grad():
         model(input_ids=torch.tensor([[5, 6, 7, 8]]), position_ids=torch.arange(5, 9)[None],
               attention_mask=slots.attention_mask(torch.ones(4, 4, dtype=torch.bool).tril()),
-              past_key_values=cache, use_cache=True)
+              use_cache=True, **cache_kwargs(model, cache))
     slots.commit(torch.tensor([[1, 1, 0, 0]], dtype=torch.bool))
     assert cache.get_seq_length() == 7 and bool(slots.valid.all())
 

@@ -14,6 +14,7 @@ import transformers
 from models import BOS, EOS, PAD, enabled, prompts, tiny_model
 
 import hf_paralleldecode as hfpd
+from hf_paralleldecode.compat import GENERATE_CACHE_KEY
 from hf_paralleldecode.loading import default_model_path, load_tokenizer
 
 STRATEGIES = {"jacobi": dict(block_size=4), "jacobi_forcing": dict(block_size=4), "lookahead": dict()}
@@ -55,7 +56,7 @@ REFUSED_CALLS = {
     "prefill_chunks": (dict(prefill_chunk_size=2), "prefill_chunk_size"),
     "token_healing": (dict(token_healing=True), "token_healing"),
     "guidance": (dict(guidance_scale=1.5), "guidance"),
-    "offloaded_cache": (dict(past_key_values=transformers.DynamicCache(offloading=True)), "offloaded"),
+    "offloaded_cache": ({GENERATE_CACHE_KEY: transformers.DynamicCache(offloading=True)}, "offloaded"),
 }
 
 

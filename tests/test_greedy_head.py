@@ -53,11 +53,10 @@ def test_chunked_argmax_matches_stock_and_never_builds_every_nodes_logits(monkey
 class NegatedLogitsLlama(transformers.LlamaForCausalLM):
     """A model whose logits are not lm_head(hidden): the greedy head must not be used for it."""
 
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
-                inputs_embeds=None, use_cache=None, logits_to_keep=0, **kwargs):
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, use_cache=None,
+                logits_to_keep=0, **kwargs):  # the cache arrives in kwargs, under whatever name this release uses
         out = super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                              past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
-                              logits_to_keep=logits_to_keep, **kwargs)
+                              inputs_embeds=inputs_embeds, use_cache=use_cache, logits_to_keep=logits_to_keep, **kwargs)
         out.logits = -out.logits
         return out
 

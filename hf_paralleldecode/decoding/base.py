@@ -1,7 +1,8 @@
 """What every strategy does before and after its loop: validation, prefill, target forwards, output.
 
 What it is for
-    A strategy is a ``custom_generate`` callable (same arguments as ``GenerationMixin._sample``).
+    A strategy is a ``custom_generate`` callable (the arguments ``generate`` hands every such callable:
+    ``compat.SAMPLE_ARGUMENTS``).
     :func:`start` validates the request *before any forward pass* (clear ``ValueError`` naming
     the fix), prepares the cache, runs the prefill and commits each row's first token, returning a
     :class:`DecodeRun` that holds the target forward (:meth:`DecodeRun.forward`), the
@@ -19,8 +20,8 @@ import time
 from dataclasses import dataclass
 
 import torch
-from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from ..compat import GenerateDecoderOnlyOutput, enclosing_generate_streamer, user_cache
 from .cache import SlotCache, prepare_cache
 from .commit import CommitLog
 from .processors import ONE_CALL_PER_TOKEN_PROCESSORS, process_block
@@ -49,7 +50,7 @@ class ParallelDecodingOutput(GenerateDecoderOnlyOutput):
     ``scores`` / ``logits`` (with ``output_scores`` / ``output_logits``) hold, per step, the values
     of the committed tokens; rows that had already finished at that step hold zeros (stock
     generation fills them with the scores of its padding continuation, which is never computed
-    here). ``past_key_values`` is ``None``: the cache holds per-row holes and is not reusable as is.
+    here). The output's cache is ``None``: the cache holds per-row holes and is not reusable as is.
     """
 
     num_forward_passes: int | None = None
@@ -310,7 +311,6 @@ class DecodeRun:
             sequences=self.log.sequences,
             scores=tuple(self.log.scores) if self.log.scores is not None else None,
             logits=tuple(self.log.logits) if self.log.logits is not None else None,
-            past_key_values=None,
             num_forward_passes=self.num_forward_passes,
             num_generated_tokens=int(useful.sum()),
             tokens_per_forward=float(useful.sum()) / max(forwards, 1),
@@ -332,7 +332,7 @@ def start(
 ) -> DecodeRun:
     """Validate, prefill the prompt and commit every row's first token; return the run state."""
     _validate(model, name, input_ids, generation_config, logits_processor, model_kwargs)
-    cache = prepare_cache(model, model_kwargs.get("past_key_values"), int(generation_config.max_length))
+    cache = prepare_cache(model, user_cache(model_kwargs), int(generation_config.max_length))
     batch, prompt_len = input_ids.shape
     attention_mask = model_kwargs.get("attention_mask")
     if attention_mask is None:
@@ -401,21 +401,6 @@ class Proposer:
         """Default: the proposer keys its state by original row id and needs no compaction."""
 
 
-def _streamer_generate_kept():
-    """The ``streamer`` of the enclosing transformers ``generate`` call, if any (see :func:`decode`)."""
-    import sys
-
-    frame = sys._getframe(2)
-    for _ in range(8):
-        if frame is None:
-            return None
-        code = frame.f_code
-        if code.co_name == "generate" and code.co_filename.replace("\\", "/").endswith("generation/utils.py"):
-            return frame.f_locals.get("streamer")
-        frame = frame.f_back
-    return None
-
-
 def decode(model, name, make_proposer, input_ids, logits_processor, stopping_criteria, generation_config,
            streamer, model_kwargs, settings: dict, pd_streamer=None):
     """The loop every strategy shares: validate + prefill, then propose -> verify -> update until done.
@@ -429,7 +414,7 @@ def decode(model, name, make_proposer, input_ids, logits_processor, stopping_cri
     streamer = pd_streamer if pd_streamer is not None else streamer
     prompt_streamed = False
     if streamer is None:  # custom_generate=<strategy> called directly: generate kept the user's streamer
-        streamer = _streamer_generate_kept()
+        streamer = enclosing_generate_streamer(depth=2)
         prompt_streamed = streamer is not None  # generate has already put the prompt into it
     run = start(model, name, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
                 model_kwargs, prompt_streamed)

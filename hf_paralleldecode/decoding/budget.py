@@ -95,7 +95,7 @@ def forward_cost(model, context: int = 64, repeats: int = 5, tokens=MEASURED_TOK
     known = _COSTS.setdefault(model, {})
     if key in known:
         return ForwardCost(known[key])  # a fresh level per run, the measured shape
-    from transformers.cache_utils import DynamicCache
+    from ..compat import DynamicCache, cache_kwargs
 
     vocab = model.get_output_embeddings().weight.shape[0] if model.get_output_embeddings() is not None else 2
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *a: None)
@@ -106,10 +106,10 @@ def forward_cost(model, context: int = 64, repeats: int = 5, tokens=MEASURED_TOK
         for _ in range(repeats + 1):  # the first is a warm-up
             cache = DynamicCache()
             ids = torch.randint(0, vocab, (1, context + n), generator=generator).to(device)
-            model(input_ids=ids[:, :context], past_key_values=cache, use_cache=True)
+            model(input_ids=ids[:, :context], use_cache=True, **cache_kwargs(model, cache))
             sync()
             t0 = time.perf_counter()
-            model(input_ids=ids[:, context:], past_key_values=cache, use_cache=True)
+            model(input_ids=ids[:, context:], use_cache=True, **cache_kwargs(model, cache))
             sync()
             times.append(time.perf_counter() - t0)
         points.append((n, sorted(times[1:])[len(times[1:]) // 2]))

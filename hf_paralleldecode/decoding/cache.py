@@ -26,7 +26,8 @@ What it deliberately does not know
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+
+from ..compat import GENERATE_CACHE_KEY, Cache, DynamicCache, DynamicLayer
 
 __all__ = ["SlotCache", "prepare_cache", "additive_mask"]
 
@@ -41,7 +42,7 @@ def _additive(masks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.where(masks, torch.zeros((), dtype=dtype, device=masks.device), torch.finfo(dtype).min)
 
 
-def prepare_cache(model, past_key_values, max_length: int) -> DynamicCache:
+def prepare_cache(model, cache, max_length: int) -> DynamicCache:
     """Return a cache the strategies can cut back and gather, or raise ``ValueError``.
 
     ``generate`` hands the strategy an empty ``DynamicCache(config=...)``. Full-attention layers
@@ -49,32 +50,32 @@ def prepare_cache(model, past_key_values, max_length: int) -> DynamicCache:
     generation fits inside the window (then sliding and full attention are the same computation,
     and a full-attention cache is used instead); otherwise the request is refused.
     """
-    if past_key_values is None:
+    if cache is None:
         return DynamicCache()
-    if not isinstance(past_key_values, Cache):
-        raise ValueError(f"past_key_values must be a transformers Cache, got {type(past_key_values).__name__}.")
-    if past_key_values.get_seq_length() != 0:
+    if not isinstance(cache, Cache):
+        raise ValueError(f"{GENERATE_CACHE_KEY} must be a transformers Cache, got {type(cache).__name__}.")
+    if cache.get_seq_length() != 0:
         raise ValueError(
-            "Parallel decoding strategies start from an empty cache; do not pass a pre-filled `past_key_values`."
+            f"Parallel decoding strategies start from an empty cache; do not pass a pre-filled `{GENERATE_CACHE_KEY}`."
         )
-    if not isinstance(past_key_values, DynamicCache):
+    if not isinstance(cache, DynamicCache):
         raise ValueError(
-            f"{type(past_key_values).__name__} is not supported by parallel decoding strategies (its entries cannot "
-            "be cut back or gathered). Remove `cache_implementation` / `past_key_values` to use the default "
+            f"{type(cache).__name__} is not supported by parallel decoding strategies (its entries cannot "
+            f"be cut back or gathered). Remove `cache_implementation` / `{GENERATE_CACHE_KEY}` to use the default "
             "DynamicCache."
         )
-    if getattr(past_key_values, "offloading", False):
+    if getattr(cache, "offloading", False):
         raise ValueError(
             "An offloaded DynamicCache (cache_implementation='offloaded') is not supported by parallel decoding "
             "strategies: they cut back and gather the KV between forwards, which offloading copies asynchronously. "
             "Remove cache_implementation to use the default DynamicCache."
         )
-    if all(type(layer) is DynamicLayer for layer in past_key_values.layers):
-        return past_key_values
+    if all(type(layer) is DynamicLayer for layer in cache.layers):
+        return cache
     window = getattr(model.config, "sliding_window", None)
     if window is not None and max_length <= window:
         return DynamicCache()
-    kinds = sorted({type(layer).__name__ for layer in past_key_values.layers})
+    kinds = sorted({type(layer).__name__ for layer in cache.layers})
     raise ValueError(
         f"This model's cache has layers of kind {kinds} (sliding-window or hybrid attention) that cannot be cut "
         f"back exactly, and max_length={max_length} exceeds its sliding_window={window}. Lower max_new_tokens so "

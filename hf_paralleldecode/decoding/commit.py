@@ -1,4 +1,4 @@
-"""Committed tokens per row and their emission in the exact order stock ``_sample`` produces them.
+"""Committed tokens per row and their emission in the exact order stock generation produces them.
 
 What it is for
     Rows of a parallel decoder commit several tokens per forward and run at different speeds.
@@ -17,7 +17,8 @@ What it deliberately does not know
 from __future__ import annotations
 
 import torch
-from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+
+from ..compat import EosTokenCriteria, MaxLengthCriteria, eos_token_tensor, pad_token_tensor
 
 __all__ = ["CommitLog"]
 
@@ -47,12 +48,12 @@ class CommitLog:
     ):
         batch, prompt_len = input_ids.shape
         self.max_new_tokens = max(int(generation_config.max_length) - prompt_len, 0)
-        pad = generation_config._pad_token_tensor
+        pad = pad_token_tensor(generation_config)
         self.pad_token_id = int(pad) if pad is not None else None
         self.stopping_criteria = stopping_criteria
         self.streamer = streamer
         self.has_eos_criteria = any(hasattr(c, "eos_token_id") for c in stopping_criteria)
-        eos = generation_config._eos_token_tensor
+        eos = eos_token_tensor(generation_config)
         self.eos_ids = eos.reshape(-1).to(input_ids.device) if (eos is not None and self.has_eos_criteria) else None
         if self.has_eos_criteria and self.pad_token_id is None:
             raise ValueError("`pad_token_id` must be set when `eos_token_id` is, to pad rows that finished early.")

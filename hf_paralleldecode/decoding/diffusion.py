@@ -27,8 +27,8 @@ from __future__ import annotations
 import time
 
 import torch
-from transformers.cache_utils import DynamicCache
 
+from ..compat import DynamicCache
 from .cache import SlotCache
 
 __all__ = ["DiffusionSource"]
@@ -94,7 +94,7 @@ class DiffusionSource:
             intra = torch.ones(b, L, L, dtype=torch.bool, device=device)
             ids, pos = block, block_pos
         logits = self._call(input_ids=ids, attention_mask=self.slots.attention_mask(intra), position_ids=pos,
-                            past_key_values=self.slots.cache, logits_to_keep=L + (1 if first else 0))
+                            cache=self.slots.cache, logits_to_keep=L + (1 if first else 0))
         self.slots.cache.crop(-L)  # the block's slots never stay
         if first:
             self.slots.valid = torch.cat([self.slots.valid, valid], dim=1)

@@ -26,7 +26,7 @@ Lossless
     ``verify.py``). Greedy output therefore equals stock greedy output token for token (in fp32;
     in bf16 / fp16 a many-token forward can round a near-tied argmax differently from a one-token
     forward), and sampled output is distributed as stock sampling. The committed tokens are emitted
-    step by step exactly as stock ``_sample`` (``commit.py``).
+    step by step exactly as stock generation (``commit.py``).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Apply the user's ``LogitsProcessorList`` to many positions of one forward, exactly as ``_sample`` would.
+"""Apply the user's ``LogitsProcessorList`` to many positions of one forward, exactly as stock sampling would.
 
 What it is for
     A verifier scores ``width`` positions per row in one forward. Stock generation would have
@@ -21,7 +21,8 @@ What it deliberately does not know
 from __future__ import annotations
 
 import torch
-from transformers.generation import logits_process as lp
+
+from ..compat import logits_process as lp
 
 __all__ = ["process_block", "process_prefixes", "prefix_independent", "PREFIX_INDEPENDENT_PROCESSORS",
            "ONE_CALL_PER_TOKEN_PROCESSORS"]

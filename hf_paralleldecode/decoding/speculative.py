@@ -49,8 +49,8 @@ import os
 import time
 
 import torch
-from transformers.cache_utils import DynamicCache
 
+from ..compat import DynamicCache
 from ..drafters.diffusion import DiffusionDrafter, target_vocab_size
 from ..hardware import preset_settings
 from .base import Proposer, check_int_setting, checks_settings, decode

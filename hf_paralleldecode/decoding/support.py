@@ -29,7 +29,7 @@ from __future__ import annotations
 import copy
 import inspect
 
-from transformers.generation.configuration_utils import GenerationMode
+from ..compat import CACHE_KEYS, GenerationMode, attn_implementation, sharded_across_processes, user_cache
 
 __all__ = ["SUPPORTED_ATTENTION", "STEP_INPUTS", "model_conflict", "generation_config_conflict",
            "model_inputs_conflict", "distributed_conflict", "call_conflict"]
@@ -40,7 +40,7 @@ SUPPORTED_ATTENTION = ("sdpa", "eager")
 STEP_INPUTS = ("token_type_ids",)
 #: what ``generate`` hands every callable and the strategies consume (the output flags are checked
 #: with the generation config)
-HANDLED_INPUTS = frozenset({"attention_mask", "position_ids", "past_key_values", "use_cache", "logits_to_keep",
+HANDLED_INPUTS = frozenset({"attention_mask", "position_ids", *CACHE_KEYS, "use_cache", "logits_to_keep",
                             "cache_position", "inputs_embeds", "output_attentions", "output_hidden_states",
                             "return_dict"})
 _STOCK = 'use decoding="stock" for this call'
@@ -53,7 +53,7 @@ def model_conflict(model) -> str | None:
     name = type(model).__name__
     if getattr(model.config, "is_encoder_decoder", False):
         return f"supports decoder-only causal LMs; {name} is encoder-decoder ({_STOCK})."
-    attn = getattr(model.config, "_attn_implementation", None) or "eager"
+    attn = attn_implementation(model.config) or "eager"
     if attn not in SUPPORTED_ATTENTION:
         return (f"builds custom 4D attention masks, which attn_implementation={attn!r} does not honour. Load the "
                 "model with attn_implementation='sdpa' (or 'eager'), or call model.set_attn_implementation('sdpa').")
@@ -145,12 +145,9 @@ def _unknown_settings(keys: list[str], model, settings: list[str]) -> str | None
 
 def distributed_conflict(model, synced_gpus) -> str | None:
     """Why generation under ZeRO-3 / FSDP with several processes would hang, or ``None``."""
-    import transformers.generation.utils as gen_utils
-
     if synced_gpus:
         return "does not support synced_gpus=True (every rank would have to run the same number of forwards)."
-    if synced_gpus is None and gen_utils._get_torch_distributed_world_size() > 1 and (
-            gen_utils.is_deepspeed_zero3_enabled() or gen_utils.is_fsdp_managed_module(model)):
+    if synced_gpus is None and sharded_across_processes(model):
         return ("runs a data-dependent number of forwards per row, but the model is sharded with ZeRO-3 / FSDP over "
                 "several processes, whose ranks must run the same forwards (transformers would set synced_gpus, "
                 "which a custom decoding does not receive) and would hang. Generate with an unsharded copy per "
@@ -171,13 +168,14 @@ def call_conflict(model, strategy, kwargs: dict) -> str | None:
         return "cannot be combined with custom_generate: pass one of them."
     if kwargs.get("inputs_embeds") is not None:
         return "needs input_ids; inputs_embeds are not supported."
-    if kwargs.get("past_key_values") is not None:
+    given = user_cache(kwargs)
+    if given is not None:
         from .cache import prepare_cache
 
         try:  # a filled, static or offloaded cache (max_length 0: the sliding-window rule is checked later)
-            prepare_cache(model, kwargs["past_key_values"], 0)
+            prepare_cache(model, given, 0)
         except ValueError as err:
-            return f"cannot use this past_key_values: {err}"
+            return f"cannot use this cache: {err}"
     gc = copy.deepcopy(kwargs.get("generation_config") or model.generation_config)
     gc.update(**{k: v for k, v in kwargs.items() if hasattr(gc, k)})
     reason = generation_config_conflict(gc)

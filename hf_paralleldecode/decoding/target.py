@@ -24,6 +24,7 @@ import weakref
 import torch
 from torch import nn
 
+from ..compat import cache_kwargs
 from .verify import greedy_argmax
 
 __all__ = ["TargetForward", "HiddenStateTaps", "GreedyHead", "decoder_layers"]
@@ -107,7 +108,7 @@ class TargetForward:
         return {} if self.token_type_ids is None else {"token_type_ids": self.token_type_ids}
 
     def step_inputs(self, rows: torch.Tensor, shape) -> dict:
-        """Per-token inputs of new tokens, extended as stock ``_update_model_kwargs_for_generation`` does."""
+        """Per-token inputs of new tokens, extended as stock generation extends them between steps."""
         if self.token_type_ids is None:
             return {}
         return {"token_type_ids": self.token_type_ids[rows.to(self.token_type_ids.device), -1:].expand(shape)}
@@ -129,7 +130,7 @@ class TargetForward:
         device = self.model.device
         logits = self._run(
             1, input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-            position_ids=position_ids.to(device), past_key_values=cache,
+            position_ids=position_ids.to(device), **cache_kwargs(self.model, cache),
             **{k: v.to(device) for k, v in self.prompt_inputs().items()},
         )
         return logits[:, -1].float().to(input_ids.device)
@@ -176,7 +177,7 @@ class TargetForward:
         logits = self._run(
             0, input_ids=tree.tokens.to(device),
             position_ids=(first_positions[:, None] + tree.depth).to(device),
-            attention_mask=slots.attention_mask(tree.mask).to(device), past_key_values=slots.cache,
+            attention_mask=slots.attention_mask(tree.mask).to(device), **cache_kwargs(self.model, slots.cache),
             **({} if rows is None else {k: v.to(device) for k, v in self.step_inputs(rows, tree.tokens.shape).items()}),
         )
         return (logits.float() if fp32 else logits).to(tree.tokens.device)

@@ -17,7 +17,7 @@ Two attentions (:data:`DIFFUSION_ATTENTIONS`)
       causally, the block attends to the whole prefix and bidirectionally within itself. The
       prefix's keys/values never depend on the block, so the drafter keeps a KV cache of the
       committed tokens across steps and a step feeds only the newly committed tokens plus the
-      block. Needs a model that takes 4D masks, ``position_ids`` and ``past_key_values``
+      block. Needs a model that takes 4D masks, ``position_ids`` and a KV cache
       (transformers' decoder classes with ``sdpa`` or ``eager`` attention).
     * ``"bidirectional"`` (LLaDA, Dream, BERT): every slot sees every slot, so the prefix's
       representation changes as it grows and there is nothing to cache: every step feeds the last
@@ -54,6 +54,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from ..compat import attn_implementation, cache_kwargs
 
 __all__ = ["DiffusionDrafter", "DiffusionDrafterConfig", "DIFFUSION_ATTENTIONS", "EMBEDDED_DRAFTERS",
            "tokenizer_fingerprint"]
@@ -167,8 +169,8 @@ _TOKENIZER_FINGERPRINTS: dict[tuple[str, int], str | None] = {}
 
 
 def _target_fingerprint(target, vocab: int) -> str | None:
-    """Fingerprint of the tokenizer stored next to a local target (``config._name_or_path``), or None."""
-    path = getattr(target.config, "_name_or_path", None) or ""
+    """Fingerprint of the tokenizer stored next to a local target (``config.name_or_path``), or None."""
+    path = getattr(target.config, "name_or_path", None) or ""
     if not path or not Path(path).is_dir():
         return None
     key = (str(Path(path).resolve()), vocab)
@@ -273,7 +275,7 @@ class DiffusionDrafter(nn.Module):
             if value is not None and value >= rows:
                 raise ValueError(f"{name}={value} is not a token of the wrapped model ({rows} rows).")
         if config.attention == "block_causal":
-            impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+            impl = attn_implementation(model.config) if hasattr(model, "config") else None
             if impl not in (None, "sdpa", "eager"):
                 raise ValueError(
                     f"A block_causal drafter feeds 4D block-diffusion masks, which attn_implementation={impl!r} does "
@@ -354,13 +356,13 @@ class DiffusionDrafter(nn.Module):
             )
 
     # ---- running ------------------------------------------------------------------------------
-    def forward(self, input_ids, attention_mask=None, position_ids=None, past_key_values=None, **kwargs):
+    def forward(self, input_ids, attention_mask=None, position_ids=None, cache=None, **kwargs):
         """The wrapped model's forward (its logits: ``[batch, slots, drafter vocab]``)."""
         extra = {}
         if position_ids is not None:
             extra["position_ids"] = position_ids
-        if past_key_values is not None:
-            extra.update(past_key_values=past_key_values, use_cache=True)
+        if cache is not None:
+            extra.update(cache_kwargs(self.model, cache), use_cache=True)
         elif self.config.attention == "block_causal":
             extra["use_cache"] = False
         keep = kwargs.pop("logits_to_keep", None)
@@ -439,7 +441,7 @@ class DiffusionDrafter(nn.Module):
             _copy_target_weights(model, target, num_hidden_layers)
         drafter = cls(model, mask_token_id=mask_id, block_size=block_size, attention=attention, shifted=shifted,
                       boundary_token_id=boundary_id, tokenizer=tokenizer, target_vocab_size=vocab,
-                      target_name_or_path=getattr(tcfg, "_name_or_path", None) or None)
+                      target_name_or_path=getattr(tcfg, "name_or_path", None) or None)
         return drafter.to(device=target.device, dtype=target.dtype).eval()
 
     # ---- saving and loading -------------------------------------------------------------------------

@@ -37,7 +37,9 @@ import json
 from pathlib import Path
 
 import torch
-from transformers import PretrainedConfig, PreTrainedModel
+from transformers import PretrainedConfig
+
+from ..compat import HeadPreTrainedModel, cache_kwargs, dflash_classes, set_body_attn_implementation
 
 __all__ = ["DraftHeadConfig", "DraftHead", "HEAD_ATTENTIONS", "EMBEDDED_HEADS", "default_target_layer_ids"]
 
@@ -179,9 +181,7 @@ class DraftHeadConfig(PretrainedConfig):
 
     def assistant_config(self):
         """The body's config: transformers' ``MuseGlimmerAssistantConfig`` (DFlash drafter)."""
-        from transformers.models.muse_glimmer_assistant import MuseGlimmerAssistantConfig
-
-        return MuseGlimmerAssistantConfig(
+        return dflash_classes()[0](
             hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
             num_hidden_layers=self.num_hidden_layers, num_attention_heads=self.num_attention_heads,
             num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim, rms_norm_eps=self.rms_norm_eps,
@@ -204,30 +204,21 @@ def _target_facts(target) -> dict:
     )
 
 
-class DraftHead(PreTrainedModel):
+class DraftHead(HeadPreTrainedModel):
     """A draft head (see module docstring). Build one with :meth:`for_target`, load with ``from_pretrained``."""
 
     config_class = DraftHeadConfig
     base_model_prefix = "draft_head"
     main_input_name = "noise_embeds"
-    _supports_sdpa = True
-    _supports_attention_backend = True
-
     def __init__(self, config: DraftHeadConfig):
         super().__init__(config)
-        try:
-            from transformers.models.muse_glimmer_assistant import MuseGlimmerAssistantModel
-        except ImportError as err:  # pragma: no cover - depends on the installed transformers
-            raise ImportError(
-                "DraftHead needs transformers' DFlash drafter (MuseGlimmerAssistantModel, transformers>=5.23)."
-            ) from err
         body_config = config.assistant_config()
-        body_config._attn_implementation = "sdpa"
-        self.model = MuseGlimmerAssistantModel(body_config)
+        set_body_attn_implementation(body_config, "sdpa")
+        self.model = dflash_classes()[1](body_config)
         self._target = []  # borrowed at run time (a list, so it is never registered, saved or moved)
         self.post_init()
 
-    def _init_weights(self, module):
+    def init_module_weights(self, module):
         std = self.config.initializer_range
         if isinstance(module, torch.nn.Linear):
             module.weight.data.normal_(0.0, std)
@@ -266,7 +257,7 @@ class DraftHead(PreTrainedModel):
             rms_norm_eps=getattr(cfg, "rms_norm_eps", 1e-6),
             rope_theta=float((getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", 10000.0)),
             max_position_embeddings=getattr(cfg, "max_position_embeddings", 32768) or 32768,
-            target_name_or_path=getattr(cfg, "_name_or_path", None) or None,
+            target_name_or_path=getattr(cfg, "name_or_path", None) or None,
             **facts,
         )
         kwargs.update(overrides)
@@ -309,14 +300,14 @@ class DraftHead(PreTrainedModel):
         head = self.target.get_output_embeddings()
         return head(hidden.to(head.weight.dtype)).float()
 
-    def forward(self, noise_embeds, context_features, attention_mask, position_ids, past_key_values=None):
+    def forward(self, noise_embeds, context_features, attention_mask, position_ids, cache=None):
         """Body forward: ``noise_embeds`` ``[b, slots, H]``, ``context_features`` ``[b, ctx, L*H]``
-        (new context, appended to ``past_key_values``), 4D additive ``attention_mask``
+        (new context, appended to ``cache``), 4D additive ``attention_mask``
         ``[b, 1, slots, cached + ctx + slots]``, ``position_ids`` ``[b, ctx + slots]``."""
         out = self.model(
             noise_embeds=noise_embeds, context_hidden_states=context_features.to(self.dtype),
             attention_mask={"full_attention": attention_mask}, position_ids=position_ids,
-            past_key_values=past_key_values, use_cache=past_key_values is not None,
+            use_cache=cache is not None, **cache_kwargs(self.model, cache),
         )
         return out.last_hidden_state
 

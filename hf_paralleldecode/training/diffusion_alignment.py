@@ -264,7 +264,7 @@ class DiffusionAlignmentTrainer(DrafterTrainer):
         loss = self._across_processes(loss, num_items_in_batch)
         return (loss, {"logits": logits}) if return_outputs else loss
 
-    def _save(self, output_dir: str | None = None, state_dict=None):
+    def save_model_files(self, output_dir: str | None = None, state_dict=None):
         output_dir = output_dir or self.args.output_dir
         drafter = self.accelerator.unwrap_model(self.model)
         if self.args.base_model_name_or_path and not drafter.config.target_name_or_path:
@@ -272,7 +272,7 @@ class DiffusionAlignmentTrainer(DrafterTrainer):
         drafter.save_pretrained(output_dir)
         torch.save(self.args, f"{output_dir}/training_args.bin")
 
-    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+    def load_model_files(self, resume_from_checkpoint, model=None):
         from safetensors.torch import load_file
 
         drafter = self.accelerator.unwrap_model(model or self.model)

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import Trainer, TrainingArguments
 
+from ..compat import TrainerHooks
 from ..decoding.cache import additive_mask
 from ..decoding.target import HiddenStateTaps
 from .losses import DISTILLATION_OBJECTIVES, draft_distillation_loss, position_weights
@@ -153,7 +154,7 @@ def block_layout(kind: str, block_size: int, anchors: torch.Tensor, tokens: torc
     return ids.reshape(B, A * S), pos.reshape(B, A * S), intra, query
 
 
-class DrafterTrainer(Trainer):
+class DrafterTrainer(TrainerHooks, Trainer):
     """What the drafter trainers share: the loss is a sum of weighted positions divided by the total weight of
     the optimizer step (all micro-batches and processes, handed over as ``num_items_in_batch``), and metrics
     gathered in ``compute_loss`` are averaged into each log line."""
@@ -164,7 +165,7 @@ class DrafterTrainer(Trainer):
         super().__init__(*args, **kwargs)
         self._metrics = defaultdict(list)
 
-    def _get_num_items_in_batch(self, batch_samples, device):
+    def count_items_in_batch(self, batch_samples, device):
         if not batch_samples:
             return None
         total = sum(b["weights"].sum() for b in batch_samples).to(device)

@@ -75,7 +75,7 @@ def regenerate(
     sampling = {k: v for k, v in dict(temperature=temperature, top_p=top_p, top_k=top_k).items() if v is not None}
     generation, ignored = plain_generation_config(model, do_sample=do_sample, **sampling)
     config = dict(kind="regenerated", ignored_generation_config=ignored, max_new_tokens=max_new_tokens, do_sample=do_sample, seed=seed,
-                  num_prompts=len(texts), model=getattr(model.config, "_name_or_path", "") or type(model).__name__,
+                  num_prompts=len(texts), model=getattr(model.config, "name_or_path", "") or type(model).__name__,
                   response_source=f"text:{response_column}" if response_column else "model", **sampling)
 
     def text_rows(ids):

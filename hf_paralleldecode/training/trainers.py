@@ -13,7 +13,7 @@ and a model card naming the base model, the method and its citation.
 Loss scaling (gradient-accumulation exact): each term (consistency, AR) is a sum over its counted
 positions divided by that term's count over the whole optimizer step, i.e. every micro-batch of the
 accumulation and every process. The Trainer hands those counts to ``compute_loss`` as
-``num_items_in_batch`` (a ``[2]`` tensor here, from :meth:`_get_num_items_in_batch`), so
+``num_items_in_batch`` (a ``[2]`` tensor here, from :meth:`count_items_in_batch`), so
 ``batch 4 x 1 step`` and ``batch 2 x 2 accumulated steps`` take the same optimizer step (tested).
 Under DDP the loss is multiplied by the number of processes, which the gradient all-reduce's mean
 divides back out. Without counts (direct calls) each term is the mean over its batch.
@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import Trainer, TrainingArguments
 
+from ..compat import TrainerHooks
 from ..config import ParallelDecodingConfig
 from .collators import ConsistencyCollator, ProgressiveCollator
 from .losses import DISTANCES, ar_loss, consistency_loss, progressive_consistency_loss
@@ -103,7 +104,7 @@ class ProgressiveConsistencyConfig(_ParallelDecodingTrainingArguments):
             raise ValueError(f"mask must be one of {MASKS}, got {self.mask!r}.")
 
 
-class _ParallelDecodingTrainer(Trainer):
+class _ParallelDecodingTrainer(TrainerHooks, Trainer):
     loss_is_scaled_for_ga = True  # compute_loss divides by the step's counts (see the module docstring)
     method: str = ""
 
@@ -134,7 +135,7 @@ class _ParallelDecodingTrainer(Trainer):
         """Counted positions of ``[consistency term, AR term]`` in one collated batch."""
         raise NotImplementedError
 
-    def _get_num_items_in_batch(self, batch_samples, device):
+    def count_items_in_batch(self, batch_samples, device):
         if not batch_samples:
             return None
         counts = sum(self._term_counts(b).to(device) for b in batch_samples)
@@ -177,8 +178,8 @@ class _ParallelDecodingTrainer(Trainer):
         config.base_model_name_or_path = self.args.base_model_name_or_path
         return config
 
-    def _save(self, output_dir=None, state_dict=None):
-        super()._save(output_dir, state_dict)
+    def save_model_files(self, output_dir=None, state_dict=None):
+        super().save_model_files(output_dir, state_dict)
         output_dir = output_dir or self.args.output_dir
         if self.args.should_save:
             config = self._saved_decoding_config()

@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from ..compat import GENERATION_CONFIG_BOOKKEEPING
 from ..decoding.base import decode
 from ..decoding.jacobi import JacobiProposer
 from ..prompts import read_prompts
@@ -124,7 +125,7 @@ def collect_trajectories(
     texts = read_prompts(prompts, prompt_column)
     generation, ignored = plain_generation_config(model, do_sample=False)
     config = dict(block_size=block_size, max_new_tokens=max_new_tokens, seed=seed, num_prompts=len(texts),
-                  model=getattr(model.config, "_name_or_path", "") or type(model).__name__,
+                  model=getattr(model.config, "name_or_path", "") or type(model).__name__,
                   ignored_generation_config=ignored)
     out = run_sharded(
         texts, output_dir, config, batch_size, progress, "trajectories",
@@ -146,8 +147,8 @@ def tokenizer_fingerprint(tokenizer) -> str:
 
 
 #: generation-config fields that do not change which tokens are generated
-_SPECIAL = {"eos_token_id", "pad_token_id", "bos_token_id", "decoder_start_token_id", "transformers_version",
-            "_from_model_config", "max_length", "max_new_tokens", "use_cache", "output_attentions",
+_SPECIAL = {"eos_token_id", "pad_token_id", "bos_token_id", "decoder_start_token_id", *GENERATION_CONFIG_BOOKKEEPING,
+            "max_length", "max_new_tokens", "use_cache", "output_attentions",
             "output_hidden_states", "output_scores", "output_logits", "return_dict_in_generate"}
 
 

@@ -1,0 +1,268 @@
+"""Every use of transformers internals, in one place.
+
+Why
+    The library plugs into ``generate`` as a ``custom_generate`` callable, feeds models a KV cache
+    between forwards, builds models on transformers' DFlash drafter and overrides a few ``Trainer``
+    hooks. Those contracts are not all public, and they move: transformers 5.24 renamed the cache
+    argument from ``past_key_values`` to ``cache`` in ``generate``, in model forwards and in model
+    outputs. Everything the library needs from transformers beyond its documented public API is
+    resolved here, once, for the installed release; no other module names a private transformers
+    symbol or the cache argument, so the next rename is a change in this file.
+
+What is here
+    * The tested range (:data:`TESTED_TRANSFORMERS`) and the one warning on import outside it.
+    * The cache argument: the key ``generate`` hands a ``custom_generate`` callable
+      (:data:`GENERATE_CACHE_KEY`), the keyword a given model's ``forward`` takes
+      (:func:`cache_kwargs`: read from its signature, so a remote-code model that still takes
+      ``past_key_values`` keeps working on a newer transformers), a user's cache in a call's kwargs
+      (:func:`user_cache`), and a model output's cache (:func:`output_cache`).
+    * Cache classes (:class:`Cache`, :class:`DynamicCache`, :class:`DynamicLayer`).
+    * The ``custom_generate`` contract: the arguments ``generate`` hands a callable
+      (:data:`SAMPLE_ARGUMENTS`), the decoder-only output class, generation modes, the generation
+      config's prepared special-token tensors, stopping criteria, logits processors, the
+      distributed checks ``generate`` makes, and the streamer of the enclosing ``generate`` call.
+    * Models: the attention implementation in use, transformers' DFlash drafter classes, a base
+      class for the library's own ``PreTrainedModel`` subclasses, and the ``Trainer`` hooks.
+    * :data:`INTERNALS`: every internal name this module relies on, checked by
+      ``tests/test_compat.py`` on the installed version.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import sys
+import weakref
+
+import transformers
+from packaging.version import Version
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+from transformers.generation import logits_process, stopping_criteria
+from transformers.generation import utils as _generation_utils
+from transformers.generation.configuration_utils import GenerationMode
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+__all__ = [
+    "TESTED_TRANSFORMERS", "TRANSFORMERS_VERSION", "tested_range_warning", "GENERATE_CACHE_KEY", "CACHE_KEYS",
+    "cache_kwargs", "forward_cache_key", "user_cache", "output_cache", "Cache", "DynamicCache", "DynamicLayer",
+    "GenerationMode", "GenerateDecoderOnlyOutput", "SAMPLE_ARGUMENTS", "logits_process", "EosTokenCriteria",
+    "MaxLengthCriteria", "pad_token_tensor", "eos_token_tensor", "distributed_world_size", "sharded_across_processes",
+    "enclosing_generate_streamer", "attn_implementation", "set_body_attn_implementation", "dflash_classes",
+    "HeadPreTrainedModel", "TrainerHooks", "GENERATION_CONFIG_BOOKKEEPING", "INTERNALS", "RUNTIME_INTERNALS",
+]
+
+logger = logging.getLogger("hf_paralleldecode")
+
+# ---- versions -------------------------------------------------------------------------------------
+#: transformers releases CI tests: ``(floor, first untested)``; pyproject's requirement states the same range
+TESTED_TRANSFORMERS = ("5.23.0", "5.25")
+TRANSFORMERS_VERSION = Version(transformers.__version__)
+
+
+def tested_range_warning(version: str | Version | None = None) -> str | None:
+    """The warning for a transformers release outside :data:`TESTED_TRANSFORMERS`, or ``None`` inside it."""
+    v = Version(str(version)) if version is not None else TRANSFORMERS_VERSION
+    low, high = (Version(x) for x in TESTED_TRANSFORMERS)
+    if low <= Version(v.base_version) < high:
+        return None
+    return (f"hf_paralleldecode is tested with transformers>={TESTED_TRANSFORMERS[0]},<{TESTED_TRANSFORMERS[1]}; "
+            f"transformers {v} is installed. Decoding may fail or, worse, differ from stock generate: run "
+            "`bash scripts/floor-env.sh` with TRANSFORMERS_VERSION set to check this release "
+            "(docs/compatibility.md), or install a tested one.")
+
+
+_warning = tested_range_warning()
+if _warning:
+    logger.warning(_warning)
+
+# ---- the cache argument ---------------------------------------------------------------------------
+#: every name transformers has used for the cache argument, newest first
+_CACHE_NAMES = ("cache", "past_key_values")
+#: the key ``generate`` puts the cache under in ``model_kwargs`` (what a ``custom_generate`` callable receives)
+#: and the field of its output classes: ``ALL_CACHE_NAMES[0]`` is the current name
+GENERATE_CACHE_KEY: str = _generation_utils.ALL_CACHE_NAMES[0]
+#: names a user's ``generate`` call or ``model_kwargs`` may carry a cache under (the current one first)
+CACHE_KEYS: tuple[str, ...] = tuple(dict.fromkeys([GENERATE_CACHE_KEY, *_CACHE_NAMES]))
+
+_FORWARD_KEYS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def forward_cache_key(module) -> str:
+    """The keyword ``module``'s forward takes its cache under: read from its signature (``cache`` on
+    transformers >= 5.24, ``past_key_values`` before, and in remote-code or user models written for it);
+    the installed release's name when the forward takes only ``**kwargs``."""
+    fn = module.forward if hasattr(module, "forward") else module
+    owner = getattr(fn, "__func__", fn)
+    try:
+        return _FORWARD_KEYS[owner]
+    except (KeyError, TypeError):
+        pass
+    params = inspect.signature(fn).parameters
+    key = next((name for name in _CACHE_NAMES if name in params), GENERATE_CACHE_KEY)
+    try:
+        _FORWARD_KEYS[owner] = key
+    except TypeError:  # pragma: no cover - not weak-referenceable
+        pass
+    return key
+
+
+def cache_kwargs(module, cache) -> dict:
+    """``{name: cache}`` to pass to ``module``'s forward (``module(**inputs, **cache_kwargs(module, cache))``)."""
+    return {forward_cache_key(module): cache}
+
+
+def user_cache(kwargs: dict):
+    """The cache a ``generate`` call or ``model_kwargs`` carries under any of :data:`CACHE_KEYS`, or ``None``."""
+    return next((kwargs[k] for k in CACHE_KEYS if kwargs.get(k) is not None), None)
+
+
+def output_cache(outputs):
+    """The cache a model output carries (``outputs.cache`` or ``outputs.past_key_values``), or ``None``."""
+    return next((getattr(outputs, k) for k in _CACHE_NAMES if getattr(outputs, k, None) is not None), None)
+
+
+# ---- the custom_generate contract -----------------------------------------------------------------
+#: the arguments ``generate`` hands a ``custom_generate`` callable: those of ``GenerationMixin._sample``
+#: (transformers compares a callable's signature with it to find the callable's own settings)
+SAMPLE_ARGUMENTS: frozenset[str] = frozenset(inspect.signature(GenerationMixin._sample).parameters)
+EosTokenCriteria = stopping_criteria.EosTokenCriteria
+MaxLengthCriteria = stopping_criteria.MaxLengthCriteria
+
+#: generation-config fields that are bookkeeping, not settings (a config loaded from a model's config sets it)
+GENERATION_CONFIG_BOOKKEEPING = frozenset({"_from_model_config", "transformers_version"})
+
+
+def pad_token_tensor(generation_config):
+    """The pad token ``generate`` prepared on the generation config (a tensor or ``None``)."""
+    return getattr(generation_config, "_pad_token_tensor", None)
+
+
+def eos_token_tensor(generation_config):
+    """The end-of-sequence tokens ``generate`` prepared on the generation config (a tensor or ``None``)."""
+    return getattr(generation_config, "_eos_token_tensor", None)
+
+
+def distributed_world_size() -> int:
+    """Processes in the default process group, as ``generate`` counts them (1 when none)."""
+    return int(_generation_utils._get_torch_distributed_world_size())
+
+
+def sharded_across_processes(model) -> bool:
+    """Whether ``generate`` would set ``synced_gpus`` for ``model``: ZeRO-3 or FSDP with several processes."""
+    return distributed_world_size() > 1 and bool(
+        _generation_utils.is_deepspeed_zero3_enabled() or _generation_utils.is_fsdp_managed_module(model))
+
+
+def enclosing_generate_streamer(depth: int = 2):
+    """The ``streamer`` argument of the transformers ``generate`` call that (a few frames up) called the caller.
+
+    transformers puts the prompt into the user's streamer and then does not hand it to a ``custom_generate``
+    callable; this finds it in ``generate``'s frame (``None`` when the caller was not reached from ``generate``).
+    """
+    frame = sys._getframe(depth)
+    for _ in range(8):
+        if frame is None:
+            return None
+        code = frame.f_code
+        if code.co_name == "generate" and code.co_filename.replace("\\", "/").endswith("generation/utils.py"):
+            return frame.f_locals.get("streamer")
+        frame = frame.f_back
+    return None
+
+
+# ---- models ---------------------------------------------------------------------------------------
+def attn_implementation(config) -> str | None:
+    """The attention implementation a model (config) runs with, or ``None`` when unset."""
+    return getattr(config, "_attn_implementation", None)
+
+
+def set_body_attn_implementation(config, implementation: str) -> None:
+    """Set the attention implementation of a config that builds a submodule directly (not ``from_pretrained``)."""
+    config._attn_implementation = implementation
+
+
+def dflash_classes():
+    """transformers' DFlash drafter: ``(config class, model class)`` (``MuseGlimmerAssistant*``, transformers >= 5.23)."""
+    try:
+        from transformers.models.muse_glimmer_assistant import MuseGlimmerAssistantConfig, MuseGlimmerAssistantModel
+    except ImportError as err:  # pragma: no cover - depends on the installed transformers
+        raise ImportError(
+            "The draft head needs transformers' DFlash drafter (MuseGlimmerAssistantModel, transformers>=5.23)."
+        ) from err
+    return MuseGlimmerAssistantConfig, MuseGlimmerAssistantModel
+
+
+class HeadPreTrainedModel(PreTrainedModel):
+    """Base of the library's own ``PreTrainedModel`` subclasses: declares SDPA support and routes weight
+    initialisation to :meth:`init_module_weights`."""
+
+    _supports_sdpa = True
+    _supports_attention_backend = True
+
+    def init_module_weights(self, module) -> None:  # pragma: no cover - per subclass
+        raise NotImplementedError
+
+    def _init_weights(self, module):
+        self.init_module_weights(module)
+
+
+class TrainerHooks:
+    """Mixin before ``transformers.Trainer`` (``class MyTrainer(TrainerHooks, Trainer)``): the Trainer's
+    overridable internals under public names.
+
+    Override :meth:`count_items_in_batch` (the loss normaliser of one optimizer step, gathered over
+    gradient accumulation), :meth:`save_model_files` (what a checkpoint / ``save_model`` writes) and
+    :meth:`load_model_files` (``resume_from_checkpoint``); each defaults to the Trainer's own behaviour.
+    """
+
+    def count_items_in_batch(self, batch_samples, device):
+        return super()._get_num_items_in_batch(batch_samples, device)
+
+    def save_model_files(self, output_dir, state_dict=None):
+        return super()._save(output_dir, state_dict)
+
+    def load_model_files(self, resume_from_checkpoint, model=None):
+        return super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+    def _get_num_items_in_batch(self, batch_samples, device):
+        return self.count_items_in_batch(batch_samples, device)
+
+    def _save(self, output_dir=None, state_dict=None):
+        return self.save_model_files(output_dir, state_dict)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        return self.load_model_files(resume_from_checkpoint, model)
+
+
+# ---- what this module relies on -------------------------------------------------------------------
+#: ``(owner, attribute)`` pairs this module reads from transformers beyond its documented API (``owner``: a module,
+#: or a class inside one); each must resolve on a supported release (``tests/test_compat.py``)
+INTERNALS: tuple[tuple[str, str], ...] = (
+    ("transformers.generation.utils", "ALL_CACHE_NAMES"),
+    ("transformers.generation.utils", "_get_torch_distributed_world_size"),
+    ("transformers.generation.utils", "is_deepspeed_zero3_enabled"),
+    ("transformers.generation.utils", "is_fsdp_managed_module"),
+    ("transformers.generation.utils", "GenerateDecoderOnlyOutput"),
+    ("transformers.generation.utils.GenerationMixin", "_sample"),
+    ("transformers.generation.configuration_utils", "GenerationMode"),
+    ("transformers.generation.stopping_criteria", "EosTokenCriteria"),
+    ("transformers.generation.stopping_criteria", "MaxLengthCriteria"),
+    ("transformers.cache_utils", "Cache"),
+    ("transformers.cache_utils", "DynamicCache"),
+    ("transformers.cache_utils", "DynamicLayer"),
+    ("transformers.cache_utils.DynamicCache", "crop"),
+    ("transformers.cache_utils.DynamicCache", "batch_select_indices"),
+    ("transformers.models.muse_glimmer_assistant", "MuseGlimmerAssistantConfig"),
+    ("transformers.models.muse_glimmer_assistant", "MuseGlimmerAssistantModel"),
+    ("transformers.modeling_utils.PreTrainedModel", "_init_weights"),
+    ("transformers.trainer.Trainer", "_get_num_items_in_batch"),
+    ("transformers.trainer.Trainer", "_save"),
+    ("transformers.trainer.Trainer", "_load_from_checkpoint"),
+)
+#: attributes transformers sets at run time on the objects named (checked on a real ``generate`` call)
+RUNTIME_INTERNALS: dict[str, tuple[str, ...]] = {
+    "the generation config generate hands a custom_generate callable": ("_pad_token_tensor", "_eos_token_tensor"),
+    "a model's config": ("_attn_implementation",),
+    "a model output, and generate's output classes": (GENERATE_CACHE_KEY,),
+}
