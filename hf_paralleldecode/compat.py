@@ -46,7 +46,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 __all__ = [
     "TESTED_TRANSFORMERS", "TRANSFORMERS_VERSION", "tested_range_warning", "GENERATE_CACHE_KEY", "CACHE_KEYS",
     "cache_kwargs", "forward_cache_key", "user_cache", "output_cache", "Cache", "DynamicCache", "DynamicLayer",
-    "GenerationMode", "GenerateDecoderOnlyOutput", "SAMPLE_ARGUMENTS", "logits_process", "EosTokenCriteria",
+    "CACHE_NAMES", "GenerationMode", "GenerateDecoderOnlyOutput", "SAMPLE_ARGUMENTS", "logits_process", "EosTokenCriteria",
     "MaxLengthCriteria", "pad_token_tensor", "eos_token_tensor", "distributed_world_size", "sharded_across_processes",
     "enclosing_generate_streamer", "attn_implementation", "set_body_attn_implementation", "dflash_classes",
     "HeadPreTrainedModel", "TrainerHooks", "GENERATION_CONFIG_BOOKKEEPING", "INTERNALS", "RUNTIME_INTERNALS",
@@ -67,9 +67,10 @@ def tested_range_warning(version: str | Version | None = None) -> str | None:
     if low <= Version(v.base_version) < high:
         return None
     return (f"hf_paralleldecode is tested with transformers>={TESTED_TRANSFORMERS[0]},<{TESTED_TRANSFORMERS[1]}; "
-            f"transformers {v} is installed. Decoding may fail or, worse, differ from stock generate: run "
-            "`bash scripts/floor-env.sh` with TRANSFORMERS_VERSION set to check this release "
-            "(docs/compatibility.md), or install a tested one.")
+            f"transformers {v} is installed. Parallel decoding may fail on it, or differ from stock generate. "
+            f"Install a tested release (pip install 'transformers>={TESTED_TRANSFORMERS[0]},<{TESTED_TRANSFORMERS[1]}'), "
+            f"or check this one with `TRANSFORMERS_VERSION={v} bash scripts/transformers-env.sh` in a checkout "
+            "(docs/compatibility.md).")
 
 
 _warning = tested_range_warning()
@@ -78,12 +79,12 @@ if _warning:
 
 # ---- the cache argument ---------------------------------------------------------------------------
 #: every name transformers has used for the cache argument, newest first
-_CACHE_NAMES = ("cache", "past_key_values")
+CACHE_NAMES = ("cache", "past_key_values")
 #: the key ``generate`` puts the cache under in ``model_kwargs`` (what a ``custom_generate`` callable receives)
 #: and the field of its output classes: ``ALL_CACHE_NAMES[0]`` is the current name
 GENERATE_CACHE_KEY: str = _generation_utils.ALL_CACHE_NAMES[0]
 #: names a user's ``generate`` call or ``model_kwargs`` may carry a cache under (the current one first)
-CACHE_KEYS: tuple[str, ...] = tuple(dict.fromkeys([GENERATE_CACHE_KEY, *_CACHE_NAMES]))
+CACHE_KEYS: tuple[str, ...] = tuple(dict.fromkeys([GENERATE_CACHE_KEY, *CACHE_NAMES]))
 
 _FORWARD_KEYS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -99,7 +100,7 @@ def forward_cache_key(module) -> str:
     except (KeyError, TypeError):
         pass
     params = inspect.signature(fn).parameters
-    key = next((name for name in _CACHE_NAMES if name in params), GENERATE_CACHE_KEY)
+    key = next((name for name in CACHE_NAMES if name in params), GENERATE_CACHE_KEY)
     try:
         _FORWARD_KEYS[owner] = key
     except TypeError:  # pragma: no cover - not weak-referenceable
@@ -119,7 +120,7 @@ def user_cache(kwargs: dict):
 
 def output_cache(outputs):
     """The cache a model output carries (``outputs.cache`` or ``outputs.past_key_values``), or ``None``."""
-    return next((getattr(outputs, k) for k in _CACHE_NAMES if getattr(outputs, k, None) is not None), None)
+    return next((getattr(outputs, k) for k in CACHE_NAMES if getattr(outputs, k, None) is not None), None)
 
 
 # ---- the custom_generate contract -----------------------------------------------------------------

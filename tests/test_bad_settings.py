@@ -7,6 +7,8 @@ from models import ForwardRecorder, prompts, tiny_model
 
 import hf_paralleldecode as hfpd
 
+pytestmark = pytest.mark.core  # the equivalence core: also run on the floor of the tested range (.ci/run)
+
 STRATEGIES = ["jacobi", "lookahead", "jacobi_forcing"]
 
 COMMON = [

@@ -10,6 +10,8 @@ from hf_paralleldecode.decoding.budget import CostAwareBudget, ForwardCost, forw
 from hf_paralleldecode.decoding.tree import pack_trees
 from hf_paralleldecode.decoding.verify import Verdict, walk_tree
 
+pytestmark = pytest.mark.core  # the equivalence core: also run on the floor of the tested range (.ci/run)
+
 
 def flat_budget(cost=None, mandatory=()):
     return CostAwareBudget(None, num_sources=3, mandatory_sources=mandatory,

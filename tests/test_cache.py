@@ -10,6 +10,8 @@ from transformers import DynamicCache
 from hf_paralleldecode.compat import cache_kwargs
 from hf_paralleldecode.decoding.cache import SlotCache
 
+pytestmark = pytest.mark.core  # the equivalence core: also run on the floor of the tested range (.ci/run)
+
 # A 4-node tree: 0 is the root (last committed token), 1 and 2 are children of 0, 3 a child of 2.
 PARENT = [-1, 0, 0, 2]
 DEPTH = [0, 1, 1, 2]

@@ -24,6 +24,8 @@ from hf_paralleldecode.training import (
 )
 from hf_paralleldecode.training.diffusion_alignment import alignment_logits
 
+pytestmark = pytest.mark.core  # the equivalence core: also run on the floor of the tested range (.ci/run)
+
 ATTENTIONS = ("block_causal", "bidirectional")
 CONVENTIONS = [dict(shifted=False, boundary_token=False), dict(shifted=True, boundary_token=True),
                dict(shifted=True, boundary_token=False), dict(shifted=False, boundary_token=True)]

@@ -9,6 +9,8 @@ import pytest
 import torch
 from models import ARCHITECTURES, enabled, prompts, reference
 
+pytestmark = pytest.mark.core  # the equivalence core: also run on the floor of the tested range (.ci/run)
+
 SETTINGS = {
     "jacobi": {f"n{n}": dict(block_size=n) for n in (1, 2, 7, 16, 64)},
     "lookahead": {

@@ -17,6 +17,8 @@ import hf_paralleldecode as hfpd
 from hf_paralleldecode.compat import GENERATE_CACHE_KEY
 from hf_paralleldecode.loading import default_model_path, load_tokenizer
 
+pytestmark = pytest.mark.core  # the equivalence core: also run on the floor of the tested range (.ci/run)
+
 STRATEGIES = {"jacobi": dict(block_size=4), "jacobi_forcing": dict(block_size=4), "lookahead": dict()}
 
 

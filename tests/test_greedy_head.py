@@ -10,6 +10,8 @@ from models import _COMMON, _LLAMA_LIKE, enabled, prompts, reference
 import hf_paralleldecode as hfpd
 from hf_paralleldecode.decoding.target import GreedyHead
 
+pytestmark = pytest.mark.core  # the equivalence core: also run on the floor of the tested range (.ci/run)
+
 STRATEGIES = [
     dict(decoding="jacobi", block_size=8),
     dict(decoding="jacobi_forcing", block_size=8, num_blocks=2, pool_size=4),

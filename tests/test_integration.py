@@ -12,6 +12,8 @@ from models import prompts, tiny_model
 import hf_paralleldecode as hfpd
 from hf_paralleldecode.config import CONFIG_NAME, ParallelDecodingConfig
 
+pytestmark = pytest.mark.core  # the equivalence core: also run on the floor of the tested range (.ci/run)
+
 
 def test_registry_lists_and_returns_strategies():
     assert "jacobi" in hfpd.available_decodings()

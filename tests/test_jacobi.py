@@ -9,6 +9,8 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 import hf_paralleldecode as hfpd
 
+pytestmark = pytest.mark.core  # the equivalence core: also run on the floor of the tested range (.ci/run)
+
 
 def assert_jacobi_matches_greedy(model, block_size, **kwargs):
     """Run stock greedy and Jacobi with the same arguments; assert identical tokens; return Jacobi's."""

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from models import enabled, prompts
+
+pytestmark = pytest.mark.core  # the equivalence core: also run on the floor of the tested range (.ci/run)
 
 
 def test_k1_pool0_reduces_to_plain_jacobi():

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from models import RecordingStreamer, enabled, prompts
 
 from hf_paralleldecode.decoding.ngram_pool import NgramPool
+
+pytestmark = pytest.mark.core  # the equivalence core: also run on the floor of the tested range (.ci/run)
 
 
 def test_repetitive_text_is_found_in_the_pool():

@@ -15,6 +15,8 @@ from models import enabled, prompts
 
 import hf_paralleldecode as hfpd
 
+pytestmark = pytest.mark.core  # the equivalence core: also run on the floor of the tested range (.ci/run)
+
 
 @functools.cache
 def _head(arch):

@@ -12,6 +12,8 @@ from models import prompts, tiny_model
 
 import hf_paralleldecode as hfpd
 
+pytestmark = pytest.mark.core  # the equivalence core: also run on the floor of the tested range (.ci/run)
+
 
 @functools.cache
 def _half(arch, dtype):

@@ -9,6 +9,8 @@ from models import ForwardRecorder, RecordingStreamer, enabled, prompts, tiny_mo
 import hf_paralleldecode as hfpd
 from hf_paralleldecode.decoding.prompt_lookup import context_candidates
 
+pytestmark = pytest.mark.core  # the equivalence core: also run on the floor of the tested range (.ci/run)
+
 
 def _brute(context: list[int], num_tokens, max_ngram, max_matches):
     out = []

@@ -14,6 +14,8 @@ from models import tiny_model
 
 import hf_paralleldecode as hfpd
 
+pytestmark = pytest.mark.core  # the equivalence core: also run on the floor of the tested range (.ci/run)
+
 VOCAB, NEW, ROWS = 5, 3, 4000
 
 

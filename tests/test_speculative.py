@@ -20,6 +20,8 @@ from test_sampling import chi_square_two_sample, outcomes
 import hf_paralleldecode as hfpd
 from hf_paralleldecode import DraftHead
 
+pytestmark = pytest.mark.core  # the equivalence core: also run on the floor of the tested range (.ci/run)
+
 KINDS = ("tree_causal", "block_bidirectional")
 MAIN_ARCHS = ("llama", "qwen2", "qwen3", "mistral")
 

@@ -16,6 +16,8 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 import hf_paralleldecode as hfpd
 
+pytestmark = pytest.mark.core  # the equivalence core: also run on the floor of the tested range (.ci/run)
+
 
 class StopRows(StoppingCriteria):
     """Stops the rows in ``rows`` once the sequence is ``length`` long."""

@@ -11,6 +11,8 @@ from hf_paralleldecode.decoding.base import start
 from hf_paralleldecode.decoding.tree import chain_tree, pack_trees
 from hf_paralleldecode.decoding.verify import walk_tree
 
+pytestmark = pytest.mark.core  # the equivalence core: also run on the floor of the tested range (.ci/run)
+
 
 def test_pack_trees_dedupes_prefixes_orders_topologically_and_builds_ancestor_masks():
     tree = pack_trees(torch.tensor([7, 9]), [[[1, 2, 3], [1, 2, 4], [5]], [[6]]])

@@ -16,6 +16,8 @@ from hf_paralleldecode.decoding import verify
 from hf_paralleldecode.decoding.tree import pack_trees
 from hf_paralleldecode.decoding.verify import rejection_walk, residual, verify_tree
 
+pytestmark = pytest.mark.core  # the equivalence core: also run on the floor of the tested range (.ci/run)
+
 V, NEW, ROWS, START = 4, 3, 12000, 0
 
 
