@@ -48,7 +48,7 @@ __all__ = [
     "cache_kwargs", "forward_cache_key", "user_cache", "output_cache", "Cache", "DynamicCache", "DynamicLayer",
     "CACHE_NAMES", "GenerationMode", "GenerateDecoderOnlyOutput", "SAMPLE_ARGUMENTS", "logits_process", "EosTokenCriteria",
     "MaxLengthCriteria", "pad_token_tensor", "eos_token_tensor", "distributed_world_size", "sharded_across_processes",
-    "enclosing_generate_streamer", "attn_implementation", "set_body_attn_implementation", "dflash_classes",
+    "enclosing_generate_streamer", "attn_implementation", "default_cache", "has_recurrent_state", "length_dependent_rope", "set_body_attn_implementation", "dflash_classes",
     "HeadPreTrainedModel", "TrainerHooks", "GENERATION_CONFIG_BOOKKEEPING", "INTERNALS", "RUNTIME_INTERNALS",
 ]
 
@@ -194,6 +194,45 @@ def dflash_classes():
     return MuseGlimmerAssistantConfig, MuseGlimmerAssistantModel
 
 
+def default_cache(model):
+    """The empty cache stock ``generate`` would build for ``model`` (its layers say full / sliding / recurrent)."""
+    return DynamicCache(config=model.config.get_text_config(decoder=True))
+
+
+def has_recurrent_state(model) -> bool:
+    """Whether ``model`` keeps a recurrent state between forwards (state-space or linear-attention layers: Mamba,
+    RWKV, Jamba, Qwen3-Next, ...), which transformers marks as stateful."""
+    return bool(getattr(model, "_is_stateful", False))
+
+
+def length_dependent_rope(model) -> tuple[str, int] | None:
+    """``(rope type, limit)`` when ``model``'s rotary frequencies depend on the forward's length, else ``None``.
+
+    transformers recomputes the frequencies of ``"dynamic"`` rotary types (and switches ``"longrope"`` to its long
+    factors) as soon as one forward holds a position ``>= limit``: a forward of many new tokens crosses it before
+    stock decoding does. Below the limit both use the original frequencies. The smallest limit over the model's
+    rotary modules (per layer type where a module has several)."""
+    found = []
+    for module in model.modules():
+        rope_type = getattr(module, "rope_type", None)
+        if rope_type is None or not hasattr(module, "original_max_seq_len"):
+            continue
+        types = rope_type if isinstance(rope_type, dict) else {None: rope_type}
+        for layer_type, kind in types.items():
+            if not isinstance(kind, str) or not ("dynamic" in kind or kind == "longrope"):
+                continue
+            limit = module.original_max_seq_len
+            if kind == "longrope":
+                params = getattr(module.config, "rope_parameters", None) or {}
+                params = params.get(layer_type, params) if layer_type is not None else params
+                limit = params.get("original_max_position_embeddings") or limit
+            found.append((int(limit), kind))
+    if not found:
+        return None
+    limit, kind = min(found)
+    return kind, limit
+
+
 class HeadPreTrainedModel(PreTrainedModel):
     """Base of the library's own ``PreTrainedModel`` subclasses: declares SDPA support and routes weight
     initialisation to :meth:`init_module_weights`."""
@@ -260,10 +299,13 @@ INTERNALS: tuple[tuple[str, str], ...] = (
     ("transformers.trainer.Trainer", "_get_num_items_in_batch"),
     ("transformers.trainer.Trainer", "_save"),
     ("transformers.trainer.Trainer", "_load_from_checkpoint"),
+    ("transformers.modeling_utils.PreTrainedModel", "_is_stateful"),
+    ("transformers.modeling_rope_utils", "dynamic_rope_update"),
 )
 #: attributes transformers sets at run time on the objects named (checked on a real ``generate`` call)
 RUNTIME_INTERNALS: dict[str, tuple[str, ...]] = {
     "the generation config generate hands a custom_generate callable": ("_pad_token_tensor", "_eos_token_tensor"),
     "a model's config": ("_attn_implementation",),
+    "a rotary embedding module (rope_type, original_max_seq_len)": ("rope_type", "original_max_seq_len"),
     "a model output, and generate's output classes": (GENERATE_CACHE_KEY,),
 }

@@ -81,7 +81,8 @@ class ParallelDecodingMixin:
         if decoding is None:
             return super().generate(*args, **kwargs)
         strategy = get_decoding(decoding)
-        conflict = call_conflict(self, strategy, kwargs)
+        inputs = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
+        conflict = call_conflict(self, strategy, kwargs, getattr(inputs, "shape", (None, None))[-1])
         if conflict is not None:
             if explicit:
                 raise ValueError(f"decoding={decoding!r} {conflict}")

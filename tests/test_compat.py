@@ -62,7 +62,9 @@ def test_runtime_internals_are_set_by_generate():
 
     ids, mask = prompts(2)
     model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, custom_generate=capture)
-    gc_names, config_names, output_names = compat.RUNTIME_INTERNALS.values()
+    gc_names, config_names, rope_names, output_names = compat.RUNTIME_INTERNALS.values()
+    rotary = [m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")]
+    assert rotary and all(hasattr(m, name) for m in rotary for name in rope_names)
     for name in gc_names:
         assert hasattr(seen["generation_config"], name), name
     assert compat.pad_token_tensor(seen["generation_config"]) is not None

@@ -24,8 +24,14 @@ import torch
 from ..compat import GenerateDecoderOnlyOutput, enclosing_generate_streamer, user_cache
 from .cache import SlotCache, prepare_cache
 from .commit import CommitLog
-from .processors import ONE_CALL_PER_TOKEN_PROCESSORS, process_block
-from .support import generation_config_conflict, model_conflict, model_inputs_conflict
+from .processors import process_block
+from .support import (
+    generation_config_conflict,
+    length_conflict,
+    model_conflict,
+    model_inputs_conflict,
+    processors_conflict,
+)
 from .target import TargetForward
 from .tree import PackedTree
 from .verify import Verdict, verify_tree
@@ -98,21 +104,14 @@ def checks_settings(check):
 
 def _validate(model, name, input_ids, generation_config, logits_processor, model_kwargs):
     for reason in (model_conflict(model), model_inputs_conflict(model_kwargs, model, name),
-                   generation_config_conflict(generation_config)):
+                   generation_config_conflict(generation_config), processors_conflict(logits_processor),
+                   length_conflict(model, int(generation_config.max_length))):
         if reason is not None:
             raise ValueError(f"decoding={name!r} {reason}")
     if model_kwargs.get("inputs_embeds") is not None:
         raise ValueError(f"decoding={name!r} needs input_ids; inputs_embeds are not supported.")
     if input_ids.shape[1] == 0:
         raise ValueError("decoding needs a non-empty prompt (input_ids of length >= 1).")
-    for proc in logits_processor or []:
-        reason = ONE_CALL_PER_TOKEN_PROCESSORS.get(type(proc).__name__)
-        if reason is not None:
-            raise ValueError(
-                f"{type(proc).__name__} ({reason}) expects exactly one call per generated token, which "
-                f"decoding={name!r} cannot give it when it scores a whole block per forward. Drop that "
-                'setting, or use decoding="stock".'
-            )
 
 
 class ContextDraw:

@@ -75,10 +75,15 @@ def prepare_cache(model, cache, max_length: int) -> DynamicCache:
     window = getattr(model.config, "sliding_window", None)
     if window is not None and max_length <= window:
         return DynamicCache()
-    kinds = sorted({type(layer).__name__ for layer in cache.layers})
+    kinds = sorted({type(layer).__name__ for layer in cache.layers if type(layer) is not DynamicLayer})
+    if window is None or any("Linear" in kind or "Sliding" not in kind for kind in kinds):
+        raise ValueError(
+            f"This model's cache has layers of kind {kinds} that cannot be cut back to a committed length or "
+            "gathered per row (recurrent or otherwise stateful layers); use stock generate()."
+        )
     raise ValueError(
-        f"This model's cache has layers of kind {kinds} (sliding-window or hybrid attention) that cannot be cut "
-        f"back exactly, and max_length={max_length} exceeds its sliding_window={window}. Lower max_new_tokens so "
+        f"This model's cache has sliding-window layers ({kinds}) that cannot be cut back exactly once the window "
+        f"is exceeded, and max_length={max_length} exceeds its sliding_window={window}. Lower max_new_tokens so "
         "the whole generation fits in the window, or use stock generate()."
     )
 

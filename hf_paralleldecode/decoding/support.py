@@ -29,7 +29,16 @@ from __future__ import annotations
 import copy
 import inspect
 
-from ..compat import CACHE_KEYS, GenerationMode, attn_implementation, sharded_across_processes, user_cache
+from ..compat import (
+    CACHE_KEYS,
+    GenerationMode,
+    attn_implementation,
+    default_cache,
+    has_recurrent_state,
+    length_dependent_rope,
+    sharded_across_processes,
+    user_cache,
+)
 
 __all__ = ["SUPPORTED_ATTENTION", "STEP_INPUTS", "model_conflict", "generation_config_conflict",
            "model_inputs_conflict", "distributed_conflict", "call_conflict"]
@@ -57,6 +66,9 @@ def model_conflict(model) -> str | None:
     if attn not in SUPPORTED_ATTENTION:
         return (f"builds custom 4D attention masks, which attn_implementation={attn!r} does not honour. Load the "
                 "model with attn_implementation='sdpa' (or 'eager'), or call model.set_attn_implementation('sdpa').")
+    if has_recurrent_state(model):
+        return (f"verifies token trees and rolls rejected guesses back; {name} keeps a recurrent state (state-space or "
+                f"linear-attention layers) that can neither branch into a tree nor be rolled back ({_STOCK}).")
     if "position_ids" not in inspect.signature(type(model).forward).parameters or getattr(model.config, "alibi", False):
         return (f"feeds token trees with explicit position ids and a custom 4D mask; {name} derives its positions "
                 f"from the 2D attention mask (ALiBi) and cannot take them ({_STOCK}).")
@@ -96,6 +108,40 @@ def generation_config_conflict(gc) -> str | None:
                 f"per generated token ({_STOCK}).")
     if type(gc.watermarking_config).__name__ == "SynthIDTextWatermarkingConfig":
         return f"cannot apply SynthID watermarking, whose processor keeps per-token state ({_STOCK})."
+    return None
+
+
+def processors_conflict(logits_processor) -> str | None:
+    """Why a logits processor of the call cannot run under a parallel decoding (it expects exactly one call per
+    generated token), or ``None``."""
+    from .processors import ONE_CALL_PER_TOKEN_PROCESSORS
+
+    for proc in logits_processor or []:
+        reason = ONE_CALL_PER_TOKEN_PROCESSORS.get(type(proc).__name__)
+        if reason is not None:
+            return (f"cannot run {type(proc).__name__} ({reason}): it expects exactly one call per generated token, "
+                    f"and a parallel decoding scores a whole block per forward. Drop that setting, or {_STOCK}.")
+    return None
+
+
+def length_conflict(model, max_length: int) -> str | None:
+    """Why a generation up to ``max_length`` tokens (prompt included, padding included) cannot be exact on
+    ``model``, or ``None``: position-dependent rotary scaling it would cross, or a sliding window (or other cache
+    layers) it would outgrow. Every forward of a strategy stays below ``max_length``."""
+    rope = length_dependent_rope(model)
+    if rope is not None and max_length > rope[1]:
+        kind, limit = rope
+        return (f"feeds several new positions per forward, and {type(model).__name__}'s rotary embedding "
+                f"(rope_type={kind!r}) changes its frequencies once one forward reaches position {limit}: a "
+                f"multi-token forward gets there before stock decoding does, and the output would differ. This call "
+                f"may reach max_length={max_length}: lower max_new_tokens so that prompt + new tokens <= {limit}, or "
+                f"{_STOCK}.")
+    from .cache import prepare_cache
+
+    try:
+        prepare_cache(model, default_cache(model), max_length)
+    except ValueError as err:
+        return f"cannot run on this model's cache: {err}"
     return None
 
 
@@ -155,9 +201,18 @@ def distributed_conflict(model, synced_gpus) -> str | None:
     return None
 
 
-def call_conflict(model, strategy, kwargs: dict) -> str | None:
+def call_max_length(generation_config, input_length: int | None) -> int:
+    """``max_length`` as ``generate`` resolves it: prompt + ``max_new_tokens`` when that is set."""
+    if generation_config.max_new_tokens is not None and input_length is not None:
+        return int(input_length) + int(generation_config.max_new_tokens)
+    return int(generation_config.max_length)
+
+
+def call_conflict(model, strategy, kwargs: dict, input_length: int | None = None) -> str | None:
     """Why ``model.generate(decoding=..., **kwargs)`` cannot run ``strategy``, checked before transformers
-    prepares anything (the generation config is merged as ``generate`` will merge it)."""
+    prepares anything (the generation config is merged as ``generate`` will merge it). The strategies run the
+    same checks (``base.start``), so a checkpoint's default decoding steps aside exactly when it would refuse.
+    ``input_length``: the prompt's length (padding included), for the checks that depend on ``max_length``."""
     reason = model_conflict(model) or distributed_conflict(model, kwargs.get("synced_gpus"))
     if reason:
         return reason
@@ -178,7 +233,8 @@ def call_conflict(model, strategy, kwargs: dict) -> str | None:
             return f"cannot use this cache: {err}"
     gc = copy.deepcopy(kwargs.get("generation_config") or model.generation_config)
     gc.update(**{k: v for k, v in kwargs.items() if hasattr(gc, k)})
-    reason = generation_config_conflict(gc)
+    reason = (generation_config_conflict(gc) or processors_conflict(kwargs.get("logits_processor"))
+              or length_conflict(model, call_max_length(gc, input_length)))
     if reason:
         return reason
     from transformers import GenerationMixin
