@@ -19,6 +19,45 @@ import sys
 from pathlib import Path
 
 
+def _at_least(minimum: int):
+    """argparse type: an integer >= ``minimum`` (argparse names the flag in its error)."""
+
+    def convert(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {value}")
+        return value
+
+    convert.__name__ = f"integer >= {minimum}"
+    return convert
+
+
+def _positive_float(text: str) -> float:
+    """argparse type: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}") from None
+    if not (0 < value < float("inf")):
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {value}")
+    return value
+
+
+def _probability(text: str) -> float:
+    """argparse type: a number in (0, 1]."""
+    value = _positive_float(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1], got {value}")
+    return value
+
+
+POSITIVE = _at_least(1)
+NON_NEGATIVE = _at_least(0)
+
+
 def _env(_args) -> int:
     import importlib.metadata as md
 
@@ -89,12 +128,12 @@ def _add_model_args(p):
                    help="prompts file: .jsonl / .json / .parquet (the --prompt-column field) or .txt (blank-line "
                         "separated); default: the shipped held-out prompts")
     p.add_argument("--prompt-column", default="prompt")
-    p.add_argument("--num-prompts", type=int, default=None, help="use only the first N prompts")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--num-prompts", type=POSITIVE, default=None, help="use only the first N prompts")
+    p.add_argument("--max-new-tokens", type=POSITIVE, default=128)
+    p.add_argument("--batch-size", type=POSITIVE, default=1)
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--threads", type=POSITIVE, default=None, help="torch CPU threads")
     p.add_argument("--drafter", default=None,
                    help="a draft head or diffusion drafter (folder, Hub id, or the shipped default-jetspec / "
                         "default-dflash / default-deer) attached to the model: decoding='speculative' (and "
@@ -228,12 +267,12 @@ def _add_data_args(p) -> None:
                    help=".jsonl / .json / .parquet file (the --prompt-column field) or .txt (blank-line separated)")
     p.add_argument("--prompt-column", default="prompt")
     p.add_argument("--output-dir", required=True)
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-new-tokens", type=POSITIVE, default=256)
+    p.add_argument("--batch-size", type=POSITIVE, default=8)
+    p.add_argument("--seed", type=NON_NEGATIVE, default=0)
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--threads", type=POSITIVE, default=None)
 
 
 def _regenerate(args) -> int:
@@ -403,8 +442,8 @@ def _main(argv=None) -> int:
     p_bench.add_argument("--strategies", nargs="+", default=["jacobi:block_size=4", "jacobi:block_size=16",
                                                              "jacobi:block_size=64"],
                          help="name:key=value,... e.g. jacobi:block_size=16")
-    p_bench.add_argument("--repeats", type=int, default=3)
-    p_bench.add_argument("--batch-sizes", type=int, nargs="+", default=None,
+    p_bench.add_argument("--repeats", type=POSITIVE, default=3)
+    p_bench.add_argument("--batch-sizes", type=POSITIVE, nargs="+", default=None,
                          help="run the comparison at each batch size (overrides --batch-size); with --output-dir, "
                               "one report per size under batch<B>/ and batch_sizes.png (tokens/s and TPF vs batch size)")
     p_bench.add_argument("--output-dir", default="bench_out")
@@ -417,7 +456,7 @@ def _main(argv=None) -> int:
     p_sweep.add_argument("--grid", nargs="+", default=["block_size=4,8,16,32", "pool_size=0,2,4,8"],
                          help="key=v1,v2,... (two keys give a heatmap)")
     p_sweep.add_argument("--fixed", default="", help="other settings, key=value,...")
-    p_sweep.add_argument("--repeats", type=int, default=1)
+    p_sweep.add_argument("--repeats", type=POSITIVE, default=1)
     p_sweep.add_argument("--output-dir", default="sweep_out")
     p_sweep.set_defaults(func=_sweep)
 
@@ -426,8 +465,8 @@ def _main(argv=None) -> int:
     p_tune.add_argument("--decoding", default="jacobi_forcing")
     p_tune.add_argument("--grid", nargs="+", default=["block_size=4,8,16", "pool_size=0,4"],
                         help="key=v1,v2,... per setting (two settings also draw sweep.png)")
-    p_tune.add_argument("--repeats", type=int, default=1)
-    p_tune.add_argument("--latency-budget-ms", type=float, default=None,
+    p_tune.add_argument("--repeats", type=POSITIVE, default=1)
+    p_tune.add_argument("--latency-budget-ms", type=_positive_float, default=None,
                         help="only settings whose time per step (ms) fits this budget")
     p_tune.add_argument("--save", action="store_true",
                         help="write the choice as parallel_decoding_config.json next to the model (a local folder)")
@@ -437,8 +476,8 @@ def _main(argv=None) -> int:
 
     p_collect = sub.add_parser("collect", help="Jacobi trajectories of a model on prompts (resumable parquet shards)")
     _add_data_args(p_collect)
-    p_collect.add_argument("--block-size", type=int, default=16)
-    p_collect.add_argument("--max-repeat", type=int, default=10,
+    p_collect.add_argument("--block-size", type=POSITIVE, default=16)
+    p_collect.add_argument("--max-repeat", type=NON_NEGATIVE, default=10,
                            help="flag responses repeating one token this many times in a row (0: never)")
     p_collect.set_defaults(func=_collect)
 
@@ -446,9 +485,9 @@ def _main(argv=None) -> int:
                                                 "data; resumable parquet shards, data-parallel under accelerate)")
     _add_data_args(p_regen)
     p_regen.add_argument("--do-sample", action="store_true", help="sample instead of greedy continuations")
-    p_regen.add_argument("--temperature", type=float, default=None)
-    p_regen.add_argument("--top-p", type=float, default=None)
-    p_regen.add_argument("--top-k", type=int, default=None)
+    p_regen.add_argument("--temperature", type=_positive_float, default=None)
+    p_regen.add_argument("--top-p", type=_probability, default=None)
+    p_regen.add_argument("--top-k", type=POSITIVE, default=None)
     p_regen.add_argument("--response-column", default=None,
                          help="take each continuation from this column of the prompts file instead of generating "
                               "it (the corpus-text ablation of JetSpec Table 6)")
@@ -456,7 +495,7 @@ def _main(argv=None) -> int:
 
     p_demo = sub.add_parser("demo", help="embedded model: same prompts through AR and every strategy")
     _add_model_args(p_demo)
-    p_demo.add_argument("--repeats", type=int, default=1)
+    p_demo.add_argument("--repeats", type=POSITIVE, default=1)
     p_demo.add_argument("--output-dir", default=None)
     p_demo.add_argument("--base-only", action="store_true",
                         help="skip the second part (the embedded model after consistency training)")

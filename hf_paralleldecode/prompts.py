@@ -37,7 +37,13 @@ def _rows_from_file(path: Path, column: str) -> list:
         if column not in table.column_names:
             raise ValueError(f"{path} has no column {column!r} (columns: {table.column_names}).")
         return table.column(column).to_pylist()
-    text = path.read_text()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"Could not read prompts from {path}: it is not UTF-8 text ({err.reason} at byte "
+                         f"{err.start}). Save it as UTF-8.") from None
+    except OSError as err:
+        raise ValueError(f"Could not read prompts from {path}: {err.strerror or err}.") from None
     if path.suffix == ".txt":
         return [p for p in text.split("\n\n") if p.strip()]
     try:

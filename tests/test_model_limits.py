@@ -183,3 +183,56 @@ def test_sliding_window_outgrown_names_the_window():
     model = hfpd.enable(_sliding_model())
     with pytest.raises(ValueError, match="sliding_window=8"):
         model.generate(input_ids=torch.tensor([[5, 6, 7, 8]]), max_new_tokens=20, decoding="jacobi")
+
+
+# ---- probes stay inside the model's position limits ---------------------------------------------------
+def test_the_cost_probe_stays_inside_a_learned_position_table():
+    """cost_aware=True measures forwards of up to 256 tokens after a 64-token prefix: not past GPT-2's table."""
+    from hf_paralleldecode.decoding.budget import forward_cost
+    from hf_paralleldecode.decoding.support import position_table_size
+
+    model = hfpd.enable(tiny_model("gpt2", n_positions=128))
+    assert position_table_size(model) == 128 and position_table_size(tiny_model("llama")) is None
+    curve = forward_cost(model)
+    assert curve.points and max(n for n, _ in curve.points) <= 128 - 32
+    ids, mask = prompts(2, length=8)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False, eos_token_id=None)
+    out = model.generate(**kwargs, decoding="prompt_lookup", cost_aware=True)
+    assert torch.equal(out, model.generate(**kwargs, decoding="stock"))
+
+
+# ---- CLI numbers and files ----------------------------------------------------------------------------
+@pytest.mark.parametrize("argv,flag", [
+    (["bench", "--repeats", "0"], "--repeats"),
+    (["bench", "--num-prompts", "0"], "--num-prompts"),
+    (["bench", "--num-prompts", "-1"], "--num-prompts"),
+    (["bench", "--threads", "0"], "--threads"),
+    (["bench", "--batch-sizes", "4", "0"], "--batch-sizes"),
+    (["bench", "--max-new-tokens", "0"], "--max-new-tokens"),
+    (["demo", "--repeats", "-2"], "--repeats"),
+    (["tune", "--latency-budget-ms", "0"], "--latency-budget-ms"),
+    (["tune", "--repeats", "x"], "--repeats"),
+    (["regenerate", "--prompts", "p.jsonl", "--output-dir", "o", "--top-p", "1.5"], "--top-p"),
+    (["regenerate", "--prompts", "p.jsonl", "--output-dir", "o", "--temperature", "0"], "--temperature"),
+    (["collect", "--prompts", "p.jsonl", "--output-dir", "o", "--block-size", "0"], "--block-size"),
+    (["collect", "--prompts", "p.jsonl", "--output-dir", "o", "--max-repeat", "-1"], "--max-repeat"),
+])
+def test_every_cli_number_is_validated_naming_its_flag(argv, flag, capsys):
+    from hf_paralleldecode import cli
+
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(argv)
+    assert exit_.value.code == 2
+    assert f"argument {flag}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".txt", ".json"])
+def test_a_prompts_file_that_is_not_utf8_is_named_in_the_error(tmp_path, suffix):
+    from hf_paralleldecode.prompts import read_prompts
+
+    path = tmp_path / f"prompts{suffix}"
+    path.write_bytes(b'{"prompt": "caf\xe9"}\n')
+    with pytest.raises(ValueError, match=rf"{path.name}.*not UTF-8"):
+        read_prompts(str(path))
+    with pytest.raises(ValueError, match="missing.jsonl"):
+        read_prompts(str(tmp_path / "missing.jsonl"))

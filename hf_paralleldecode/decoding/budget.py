@@ -89,7 +89,15 @@ def forward_cost(model, context: int = 64, repeats: int = 5, tokens=MEASURED_TOK
 
     Each point is the median of ``repeats`` forwards of ``n`` tokens (``n`` in ``tokens``) after a
     ``context``-token prefix held in a cache, timed with a device sync on CUDA. Costs a few dozen forwards.
+    On a model with a learned position table (GPT-2's ``n_positions``) the probe stays inside it: the prefix
+    shrinks to a quarter of the table at most and sizes that would not fit are not measured.
     """
+    from .support import position_table_size
+
+    table = position_table_size(model)
+    if table is not None:
+        context = min(int(context), table // 4)
+        tokens = tuple(n for n in tokens if context + n <= table) or (1,)
     device = next(model.parameters()).device
     key = (str(device), str(next(model.parameters()).dtype), int(context), tuple(tokens))
     known = _COSTS.setdefault(model, {})

@@ -29,6 +29,8 @@ from __future__ import annotations
 import copy
 import inspect
 
+import torch
+
 from ..compat import (
     CACHE_KEYS,
     GenerationMode,
@@ -142,6 +144,20 @@ def length_conflict(model, max_length: int) -> str | None:
         prepare_cache(model, default_cache(model), max_length)
     except ValueError as err:
         return f"cannot run on this model's cache: {err}"
+    return None
+
+
+def position_table_size(model) -> int | None:
+    """Positions ``model`` can embed when it has a learned absolute position table (GPT-2's ``n_positions``,
+    OPT, BioGPT, ...): every forward must stay below it. ``None`` for rotary and other computed positions."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    size = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
+    if not size:
+        return None
+    words = model.get_input_embeddings()
+    for module in model.modules():  # a position table: an embedding of (about) that many rows, not the words
+        if isinstance(module, torch.nn.Embedding) and module is not words and 0 <= module.num_embeddings - size <= 2:
+            return int(size)
     return None
 
 
