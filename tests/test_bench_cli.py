@@ -175,7 +175,7 @@ def test_cli_bench_at_several_batch_sizes_writes_one_report_each_and_the_batch_c
     assert (tmp_path / "o" / "batch_sizes.png").stat().st_size > 1000
     with pytest.raises(SystemExit) as exc:
         cli.main(["bench", "--model", "random-tiny", "--prompts", str(prompts), "--batch-sizes", "0"])
-    assert exc.value.code == 2 and "batch sizes must be >= 1" in capsys.readouterr().err
+    assert exc.value.code == 2 and "argument --batch-sizes: must be an integer >= 1" in capsys.readouterr().err
 
 
 def test_cli_tune_prints_the_knee_and_the_choice(tmp_path, capsys):
