@@ -31,7 +31,6 @@ def _at_least(minimum: int):
             raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {value}")
         return value
 
-    convert.__name__ = f"integer >= {minimum}"
     return convert
 
 

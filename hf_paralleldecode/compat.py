@@ -37,7 +37,13 @@ import weakref
 import transformers
 from packaging.version import Version
 from transformers import GenerationMixin, PreTrainedModel
-from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+from transformers.cache_utils import (
+    Cache,
+    DynamicCache,
+    DynamicLayer,
+    DynamicSlidingWindowLayer,
+    LinearAttentionCacheLayerMixin,
+)
 from transformers.generation import logits_process, stopping_criteria
 from transformers.generation import utils as _generation_utils
 from transformers.generation.configuration_utils import GenerationMode
@@ -48,7 +54,7 @@ __all__ = [
     "cache_kwargs", "forward_cache_key", "user_cache", "output_cache", "Cache", "DynamicCache", "DynamicLayer",
     "CACHE_NAMES", "GenerationMode", "GenerateDecoderOnlyOutput", "SAMPLE_ARGUMENTS", "logits_process", "EosTokenCriteria",
     "MaxLengthCriteria", "pad_token_tensor", "eos_token_tensor", "distributed_world_size", "sharded_across_processes",
-    "enclosing_generate_streamer", "attn_implementation", "default_cache", "has_recurrent_state", "length_dependent_rope", "set_body_attn_implementation", "dflash_classes",
+    "enclosing_generate_streamer", "attn_implementation", "default_cache", "is_sliding_window_layer", "has_recurrent_state", "length_dependent_rope", "set_body_attn_implementation", "dflash_classes",
     "HeadPreTrainedModel", "TrainerHooks", "GENERATION_CONFIG_BOOKKEEPING", "INTERNALS", "RUNTIME_INTERNALS",
 ]
 
@@ -199,6 +205,11 @@ def default_cache(model):
     return DynamicCache(config=model.config.get_text_config(decoder=True))
 
 
+def is_sliding_window_layer(layer) -> bool:
+    """Whether a cache layer is a plain sliding-window attention layer (no recurrent state beside it)."""
+    return isinstance(layer, DynamicSlidingWindowLayer) and not isinstance(layer, LinearAttentionCacheLayerMixin)
+
+
 def has_recurrent_state(model) -> bool:
     """Whether ``model`` keeps a recurrent state between forwards (state-space or linear-attention layers: Mamba,
     RWKV, Jamba, Qwen3-Next, ...), which transformers marks as stateful."""
@@ -291,6 +302,8 @@ INTERNALS: tuple[tuple[str, str], ...] = (
     ("transformers.cache_utils", "Cache"),
     ("transformers.cache_utils", "DynamicCache"),
     ("transformers.cache_utils", "DynamicLayer"),
+    ("transformers.cache_utils", "DynamicSlidingWindowLayer"),
+    ("transformers.cache_utils", "LinearAttentionCacheLayerMixin"),
     ("transformers.cache_utils.DynamicCache", "crop"),
     ("transformers.cache_utils.DynamicCache", "batch_select_indices"),
     ("transformers.models.muse_glimmer_assistant", "MuseGlimmerAssistantConfig"),

@@ -27,10 +27,10 @@ from .commit import CommitLog
 from .processors import process_block
 from .support import (
     generation_config_conflict,
-    length_conflict,
     model_conflict,
     model_inputs_conflict,
     processors_conflict,
+    rope_conflict,
 )
 from .target import TargetForward
 from .tree import PackedTree
@@ -105,7 +105,7 @@ def checks_settings(check):
 def _validate(model, name, input_ids, generation_config, logits_processor, model_kwargs):
     for reason in (model_conflict(model), model_inputs_conflict(model_kwargs, model, name),
                    generation_config_conflict(generation_config), processors_conflict(logits_processor),
-                   length_conflict(model, int(generation_config.max_length))):
+                   rope_conflict(model, int(generation_config.max_length))):
         if reason is not None:
             raise ValueError(f"decoding={name!r} {reason}")
     if model_kwargs.get("inputs_embeds") is not None:

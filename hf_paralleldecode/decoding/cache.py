@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from ..compat import GENERATE_CACHE_KEY, Cache, DynamicCache, DynamicLayer
+from ..compat import GENERATE_CACHE_KEY, Cache, DynamicCache, DynamicLayer, is_sliding_window_layer
 
 __all__ = ["SlotCache", "prepare_cache", "additive_mask"]
 
@@ -72,15 +72,16 @@ def prepare_cache(model, cache, max_length: int) -> DynamicCache:
         )
     if all(type(layer) is DynamicLayer for layer in cache.layers):
         return cache
+    others = [layer for layer in cache.layers if type(layer) is not DynamicLayer]
+    kinds = sorted({type(layer).__name__ for layer in others})
     window = getattr(model.config, "sliding_window", None)
-    if window is not None and max_length <= window:
-        return DynamicCache()
-    kinds = sorted({type(layer).__name__ for layer in cache.layers if type(layer) is not DynamicLayer})
-    if window is None or any("Linear" in kind or "Sliding" not in kind for kind in kinds):
+    if window is None or not all(is_sliding_window_layer(layer) for layer in others):
         raise ValueError(
             f"This model's cache has layers of kind {kinds} that cannot be cut back to a committed length or "
             "gathered per row (recurrent or otherwise stateful layers); use stock generate()."
         )
+    if max_length <= window:
+        return DynamicCache()
     raise ValueError(
         f"This model's cache has sliding-window layers ({kinds}) that cannot be cut back exactly once the window "
         f"is exceeded, and max_length={max_length} exceeds its sliding_window={window}. Lower max_new_tokens so "

@@ -126,10 +126,10 @@ def processors_conflict(logits_processor) -> str | None:
     return None
 
 
-def length_conflict(model, max_length: int) -> str | None:
+def rope_conflict(model, max_length: int) -> str | None:
     """Why a generation up to ``max_length`` tokens (prompt included, padding included) cannot be exact on
-    ``model``, or ``None``: position-dependent rotary scaling it would cross, or a sliding window (or other cache
-    layers) it would outgrow. Every forward of a strategy stays below ``max_length``."""
+    ``model`` because of position-dependent rotary scaling it would cross, or ``None``. Every forward of a
+    strategy stays below ``max_length``. (What a sliding window allows is decided by ``cache.prepare_cache``.)"""
     rope = length_dependent_rope(model)
     if rope is not None and max_length > rope[1]:
         kind, limit = rope
@@ -138,12 +138,6 @@ def length_conflict(model, max_length: int) -> str | None:
                 f"multi-token forward gets there before stock decoding does, and the output would differ. This call "
                 f"may reach max_length={max_length}: lower max_new_tokens so that prompt + new tokens <= {limit}, or "
                 f"{_STOCK}.")
-    from .cache import prepare_cache
-
-    try:
-        prepare_cache(model, default_cache(model), max_length)
-    except ValueError as err:
-        return f"cannot run on this model's cache: {err}"
     return None
 
 
@@ -239,18 +233,18 @@ def call_conflict(model, strategy, kwargs: dict, input_length: int | None = None
         return "cannot be combined with custom_generate: pass one of them."
     if kwargs.get("inputs_embeds") is not None:
         return "needs input_ids; inputs_embeds are not supported."
-    given = user_cache(kwargs)
-    if given is not None:
-        from .cache import prepare_cache
-
-        try:  # a filled, static or offloaded cache (max_length 0: the sliding-window rule is checked later)
-            prepare_cache(model, given, 0)
-        except ValueError as err:
-            return f"cannot use this cache: {err}"
     gc = copy.deepcopy(kwargs.get("generation_config") or model.generation_config)
     gc.update(**{k: v for k, v in kwargs.items() if hasattr(gc, k)})
+    max_length = call_max_length(gc, input_length)
+    from .cache import prepare_cache
+
+    given = user_cache(kwargs)
+    try:  # the check base.start makes on the cache generate hands the strategy (the user's, or the default one)
+        prepare_cache(model, given if given is not None else default_cache(model), max_length)
+    except ValueError as err:
+        return f"cannot use this cache: {err}"
     reason = (generation_config_conflict(gc) or processors_conflict(kwargs.get("logits_processor"))
-              or length_conflict(model, call_max_length(gc, input_length)))
+              or rope_conflict(model, max_length))
     if reason:
         return reason
     from transformers import GenerationMixin
