@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import threading
 import time
 import weakref
 
@@ -68,7 +69,11 @@ class HiddenStateTaps:
         self._handles = [layers[i].register_forward_hook(self._hook(i)) for i in self.layer_ids]
 
     def _hook(self, i):
+        owner = threading.get_ident()  # another thread's forward of the same model is not this call's
+
         def hook(module, args, output):
+            if threading.get_ident() != owner:
+                return None
             self._out[i] = output[0] if isinstance(output, (tuple, list)) else output
 
         return hook
@@ -149,14 +154,14 @@ class TargetForward:
         if head is None or (head.checked and not head.worth_it(tree.tokens.numel())):
             return greedy_argmax(self.forward(tree, slots, first_positions, rows, fp32=False))
         if not head.checked:  # the model's first greedy step: the plain forward, and the check
-            with head.capture(compute=True):
+            with head.capture(compute=True) as capture:
                 logits = self.forward(tree, slots, first_positions, rows, fp32=False)
-            head.check(logits)
+            head.check(capture, logits)
             return greedy_argmax(logits)
-        with head.capture(compute=False):
+        with head.capture(compute=False) as capture:
             self.forward(tree, slots, first_positions, rows, fp32=False)
         t0 = time.perf_counter()
-        choices = head.argmax()
+        choices = head.argmax(capture)
         if self._cuda:
             torch.cuda.synchronize(self.model.device)
         elapsed = time.perf_counter() - t0
@@ -185,7 +190,13 @@ class TargetForward:
 
 class GreedyHead:
     """The argmax of a model's LM head over its final hidden states, in chunks that stay in cache (see
-    :meth:`TargetForward.greedy`); one per model, found by :meth:`of`."""
+    :meth:`TargetForward.greedy`); one per model and model structure, found by :meth:`of`.
+
+    Nothing about the model is trusted across a change: :meth:`of` compares the model's structure (its output
+    embeddings, their weight's shape, dtype and device, every hook on the model and on the head, an instance
+    ``forward``) with the one the head was checked on, and a changed model gets a new, unchecked head (checked
+    again on its next greedy step). The capture hook acts only in the thread that installed it, and what it keeps
+    belongs to that call: concurrent calls on one model (another thread's stock ``generate``) are untouched."""
 
     #: bytes of logits per chunk: a CPU chunk fits its L2 cache; a GPU chunk bounds the memory a wide batch needs
     CHUNK_BYTES = {"cpu": 1 << 21, "cuda": 1 << 28}
@@ -201,32 +212,52 @@ class GreedyHead:
     def of(cls, model) -> GreedyHead | None:
         """The model's greedy head; ``None`` when its output embeddings are not a plain ``nn.Linear`` or its
         first checked step showed logits other than ``lm_head(hidden)``."""
-        if model not in cls._heads:
-            lm_head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-            cls._heads[model] = cls(lm_head) if type(lm_head) is nn.Linear else None
-        head = cls._heads[model]
+        lm_head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        signature = cls.structure(model, lm_head)
+        known = cls._heads.get(model)
+        if known is None or known[0] != signature:
+            known = (signature, cls(lm_head) if type(lm_head) is nn.Linear else None)
+            cls._heads[model] = known
+        head = known[1]
         return None if head is None or head.refused else head
+
+    @staticmethod
+    def structure(model, lm_head) -> tuple:
+        """What the check of a head depends on: the head module and its weight, and every hook or instance
+        ``forward`` that could change the logits after it."""
+        def hooks(module):
+            return tuple(id(h) for d in (module._forward_hooks, module._forward_pre_hooks) for h in d.values()) + (
+                id(module.__dict__.get("forward")),)
+        weight = getattr(lm_head, "weight", None)
+        return (id(lm_head), type(lm_head), hooks(model), hooks(lm_head) if lm_head is not None else (),
+                None if weight is None else (id(weight), tuple(weight.shape), weight.dtype, weight.device),
+                len(nn.modules.module._global_forward_hooks),
+                len(nn.modules.module._global_forward_pre_hooks))
 
     @contextlib.contextmanager
     def capture(self, compute: bool):
         """During the block the LM head keeps its input (once); with ``compute=False`` it computes nothing
         (an empty slice), :meth:`argmax` does it afterwards."""
         calls = []
+        owner = threading.get_ident()
 
         def keep(module, args):
+            if threading.get_ident() != owner:  # another thread's forward of this model: not ours
+                return None
             calls.append(args[0])
             return None if compute else (args[0][..., :0, :],) + tuple(args[1:])
 
         handle = self.lm_head.register_forward_pre_hook(keep)
+        capture = _Capture()
         try:
-            yield self
+            yield capture
         finally:
             handle.remove()
-        self.hidden = calls[0] if len(calls) == 1 else None
+        capture.hidden = calls[0] if len(calls) == 1 else None
 
-    def check(self, logits: torch.Tensor) -> None:
+    def check(self, capture, logits: torch.Tensor) -> None:
         """Keep this head for the model only if ``logits`` (the forward's own) equal ``lm_head(hidden)``."""
-        hidden, self.hidden = self.hidden, None
+        hidden = capture.hidden
         with torch.no_grad():
             ok = hidden is not None and hidden.shape[:-1] == logits.shape[:-1] and \
                 torch.equal(self.lm_head(hidden).to(logits.device), logits)
@@ -243,9 +274,9 @@ class GreedyHead:
         weight = self.lm_head.weight
         return positions * weight.shape[0] * weight.element_size() > 2 * self._chunk_bytes(weight.device)
 
-    def argmax(self) -> torch.Tensor:
-        """``[*hidden.shape[:-1]]`` argmax of ``lm_head(hidden)`` of the last capture, a chunk of positions at a time."""
-        hidden, self.hidden = self.hidden, None
+    def argmax(self, capture) -> torch.Tensor:
+        """``[*hidden.shape[:-1]]`` argmax of ``lm_head(hidden)`` of ``capture``, a chunk of positions at a time."""
+        hidden = capture.hidden
         if hidden is None:
             raise RuntimeError("The LM head was not called exactly once in the forward: nothing to take the argmax of.")
         flat = hidden.reshape(-1, hidden.shape[-1])
@@ -256,3 +287,9 @@ class GreedyHead:
             for start in range(0, flat.shape[0], per_chunk):
                 out[start: start + per_chunk] = greedy_argmax(self.lm_head(flat[start: start + per_chunk]))
         return out.reshape(hidden.shape[:-1])
+
+
+class _Capture:
+    """What one :meth:`GreedyHead.capture` kept: the LM head's input, when it was called exactly once."""
+
+    hidden = None
