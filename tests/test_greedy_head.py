@@ -40,10 +40,11 @@ def test_chunked_argmax_matches_stock_and_never_builds_every_nodes_logits(monkey
     try:
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False,
                              return_dict_in_generate=True, **settings)
+        head = GreedyHead.of(model)  # the head of the structure the call ran with (the recording hook is part of it)
     finally:
         handle.remove()
     torch.testing.assert_close(out.sequences, reference("llama", batch, 24), rtol=0, atol=0)
-    assert GreedyHead.of(model) is not None and GreedyHead.of(model).checked
+    assert head is not None and head.checked
     # the prefill feeds one position per row; the model's first greedy step (the check) feeds every node twice
     # (its forward, the check); every other head call is a chunk of <= 3 positions, the forward's empty one, or
     # a step of at most two chunks' positions, which keeps the plain forward (worth_it)
