@@ -236,3 +236,32 @@ def test_a_prompts_file_that_is_not_utf8_is_named_in_the_error(tmp_path, suffix)
         read_prompts(str(path))
     with pytest.raises(ValueError, match="missing.jsonl"):
         read_prompts(str(tmp_path / "missing.jsonl"))
+
+
+@pytest.mark.parametrize("attention", ["block_causal", "bidirectional"])
+def test_a_diffusion_drafter_with_a_short_position_table_is_bounded_before_any_forward(attention):
+    """A block-causal drafter reads every committed position plus its block: past its table it is refused before
+    any target forward (a bidirectional one reads a window of the table's size and is exact at any length)."""
+    from models import reference
+
+    from hf_paralleldecode import DiffusionDrafter
+
+    model = hfpd.enable(tiny_model("llama"))
+    torch.manual_seed(0)
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=98, n_positions=32, n_embd=32, n_layer=1, n_head=4)).eval()
+    gpt2.set_attn_implementation("sdpa")
+    drafter = DiffusionDrafter(gpt2, mask_token_id=97, block_size=4, attention=attention)
+    ids, mask = prompts(3)  # 7 positions
+    kwargs = dict(input_ids=ids, attention_mask=mask, do_sample=False, decoding="speculative", drafter=drafter,
+                  tree_budget=8)
+    out = model.generate(max_new_tokens=16, **kwargs)  # 7 + 16 + the block fit in 32 positions
+    torch.testing.assert_close(out, reference("llama", 3, 24)[:, :7 + 16], rtol=0, atol=0)
+    counter = CountForwards(model)
+    if attention == "block_causal":
+        with pytest.raises(ValueError, match="max_position_embeddings=32|32 positions"):
+            model.generate(max_new_tokens=24, **kwargs)
+        assert counter.n == 0
+    else:
+        torch.testing.assert_close(model.generate(max_new_tokens=24, **kwargs), reference("llama", 3, 24),
+                                   rtol=0, atol=0)

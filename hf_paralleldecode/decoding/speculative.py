@@ -637,6 +637,8 @@ def speculative(
     preset, resolved = preset_settings(model, "speculative", tree_budget=tree_budget, drafter_dtype=drafter_dtype)
     tree_budget = resolved["tree_budget"]
     drafter, depth = _check_settings(model, drafter, tree_budget, tree_width, tree_depth, tree_waves, denoise_steps)
+    if isinstance(drafter, DiffusionDrafter):
+        drafter.check_length(int(generation_config.max_length))
     dtype = drafter_run_dtype(resolved["drafter_dtype"], model)
     if drafter.device != model.device or drafter.dtype != dtype:
         drafter.to(device=model.device, dtype=dtype)

@@ -355,6 +355,25 @@ class DiffusionDrafter(nn.Module):
                 f"max_position_embeddings={limit}. Lower context_window."
             )
 
+    def check_length(self, max_length: int) -> None:
+        """Raise ``ValueError`` when drafting for a generation of ``max_length`` tokens would feed the wrapped model a
+        position past its learned position table. A block-causal drafter reads every committed position plus its
+        block (the last anchor sits at ``max_length - 2``); a bidirectional one reads a window that
+        :meth:`check_target` already bounds."""
+        from ..decoding.support import position_table_size
+
+        table = position_table_size(self.model)
+        if self.config.attention != "block_causal" or table is None:
+            return
+        reach = max_length - 1 + self.config.block_length  # positions 0 .. anchor + block
+        if reach > table:
+            raise ValueError(
+                f"This block_causal drafter reads every committed position plus its {self.config.block_length}-slot "
+                f"block: a generation of max_length={max_length} reaches {reach} positions, past its "
+                f"{table} positions (max_position_embeddings={table}). Lower max_new_tokens to at most "
+                f"{table + 1 - self.config.block_length} - prompt length, or use a drafter with a longer table."
+            )
+
     # ---- running ------------------------------------------------------------------------------
     def forward(self, input_ids, attention_mask=None, position_ids=None, cache=None, **kwargs):
         """The wrapped model's forward (its logits: ``[batch, slots, drafter vocab]``)."""
