@@ -82,7 +82,9 @@ class ParallelDecodingMixin:
             return super().generate(*args, **kwargs)
         strategy = get_decoding(decoding)
         inputs = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
-        conflict = call_conflict(self, strategy, kwargs, getattr(inputs, "shape", (None, None))[-1])
+        attached = attached_drafter(self)
+        drafter = next((d for d in (kwargs.get("drafter"), defaults.get("drafter"), attached) if d is not None), None)
+        conflict = call_conflict(self, strategy, kwargs, getattr(inputs, "shape", (None, None))[-1], drafter)
         if conflict is not None:
             if explicit:
                 raise ValueError(f"decoding={decoding!r} {conflict}")
@@ -95,9 +97,8 @@ class ParallelDecodingMixin:
         for key, value in defaults.items():
             if key in params:
                 kwargs.setdefault(key, value)
-        drafter = attached_drafter(self)
-        if drafter is not None and "drafter" in params:
-            kwargs.setdefault("drafter", drafter)
+        if attached is not None and "drafter" in params:
+            kwargs.setdefault("drafter", attached)
         streamer = kwargs.pop("streamer", None)
         if streamer is not None:
             if "pd_streamer" not in params:

@@ -265,3 +265,27 @@ def test_a_diffusion_drafter_with_a_short_position_table_is_bounded_before_any_f
     else:
         torch.testing.assert_close(model.generate(max_new_tokens=24, **kwargs), reference("llama", 3, 24),
                                    rtol=0, atol=0)
+
+
+def test_a_checkpoint_default_steps_aside_for_a_drafter_that_cannot_reach(caplog):
+    """The pre-check asks the strategy's drafter check too: an attached block-causal drafter with a short table."""
+    from hf_paralleldecode import DiffusionDrafter
+    from hf_paralleldecode.integration import attach_drafter
+
+    model = hfpd.enable(tiny_model("llama"))
+    torch.manual_seed(0)
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=98, n_positions=32, n_embd=32, n_layer=1, n_head=4)).eval()
+    gpt2.set_attn_implementation("sdpa")
+    attach_drafter(model, DiffusionDrafter(gpt2, mask_token_id=97, block_size=4, attention="block_causal"))
+    model.parallel_decoding_config = hfpd.ParallelDecodingConfig("speculative", {"tree_budget": 8})
+    ids, mask = prompts(3)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False)
+    with caplog.at_level(logging.INFO, logger="hf_paralleldecode"):
+        out = model.generate(**kwargs)
+    assert "steps aside" in caplog.text and "block_causal" in caplog.text
+    assert torch.equal(out, model.generate(**kwargs, decoding="stock"))
+    res = model.generate(**dict(kwargs, max_new_tokens=16), return_dict_in_generate=True)
+    assert res.decoding == "speculative"
+    with pytest.raises(ValueError, match="cannot draft this call"):
+        model.generate(**kwargs, decoding="speculative")

@@ -157,6 +157,17 @@ def _loaded_key(drafter, kwargs) -> tuple | None:
     return str(folder.resolve()), tuple((str(p), p.stat().st_mtime_ns, p.stat().st_size) for p in files)
 
 
+def drafter_conflict(drafter, max_length: int) -> str | None:
+    """Why ``drafter`` (an object, not a path) cannot draft a generation of ``max_length`` tokens, or ``None``;
+    run by the strategy and by ``enable()``'s pre-check (``speculative.drafter_conflict``)."""
+    if isinstance(drafter, DiffusionDrafter):
+        try:
+            drafter.check_length(max_length)
+        except ValueError as err:
+            return f"cannot draft this call: {err}"
+    return None
+
+
 def _check_settings(model, drafter, tree_budget, tree_width, tree_depth, tree_waves, denoise_steps=None):
     from ..drafters.diffusion import DiffusionDrafter
 
@@ -637,8 +648,9 @@ def speculative(
     preset, resolved = preset_settings(model, "speculative", tree_budget=tree_budget, drafter_dtype=drafter_dtype)
     tree_budget = resolved["tree_budget"]
     drafter, depth = _check_settings(model, drafter, tree_budget, tree_width, tree_depth, tree_waves, denoise_steps)
-    if isinstance(drafter, DiffusionDrafter):
-        drafter.check_length(int(generation_config.max_length))
+    reason = drafter_conflict(drafter, int(generation_config.max_length))
+    if reason is not None:
+        raise ValueError(f"decoding='speculative' {reason}")
     dtype = drafter_run_dtype(resolved["drafter_dtype"], model)
     if drafter.device != model.device or drafter.dtype != dtype:
         drafter.to(device=model.device, dtype=dtype)
@@ -669,3 +681,6 @@ def speculative(
             input_ids, logits_processor, stopping_criteria, generation_config, streamer, model_kwargs, settings,
             pd_streamer=pd_streamer,
         )
+
+
+speculative.drafter_conflict = drafter_conflict  # the pre-check of enable()'s generate asks it too

@@ -218,11 +218,12 @@ def call_max_length(generation_config, input_length: int | None) -> int:
     return int(generation_config.max_length)
 
 
-def call_conflict(model, strategy, kwargs: dict, input_length: int | None = None) -> str | None:
+def call_conflict(model, strategy, kwargs: dict, input_length: int | None = None, drafter=None) -> str | None:
     """Why ``model.generate(decoding=..., **kwargs)`` cannot run ``strategy``, checked before transformers
     prepares anything (the generation config is merged as ``generate`` will merge it). The strategies run the
     same checks (``base.start``), so a checkpoint's default decoding steps aside exactly when it would refuse.
-    ``input_length``: the prompt's length (padding included), for the checks that depend on ``max_length``."""
+    ``input_length``: the prompt's length (padding included), for the checks that depend on ``max_length``;
+    ``drafter``: the drafter the call will use (given or attached), for a strategy with a ``drafter_conflict``."""
     reason = model_conflict(model) or distributed_conflict(model, kwargs.get("synced_gpus"))
     if reason:
         return reason
@@ -245,6 +246,8 @@ def call_conflict(model, strategy, kwargs: dict, input_length: int | None = None
         return f"cannot use this cache: {err}"
     reason = (generation_config_conflict(gc) or processors_conflict(kwargs.get("logits_processor"))
               or rope_conflict(model, max_length))
+    if not reason and drafter is not None and hasattr(strategy, "drafter_conflict"):
+        reason = strategy.drafter_conflict(drafter, max_length)
     if reason:
         return reason
     from transformers import GenerationMixin
