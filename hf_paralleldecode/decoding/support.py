@@ -144,7 +144,10 @@ def rope_conflict(model, max_length: int) -> str | None:
 def position_table_size(model) -> int | None:
     """Positions ``model`` can embed when it has a learned absolute position table (GPT-2's ``n_positions``,
     OPT, BioGPT, ...): every forward must stay below it. ``None`` for rotary and other computed positions."""
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    config = getattr(model, "config", None)  # a wrapped drafter may be a plain torch module
+    if config is None:
+        return None
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
     size = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
     if not size:
         return None

@@ -362,8 +362,10 @@ class DiffusionDrafter(nn.Module):
         :meth:`check_target` already bounds."""
         from ..decoding.support import position_table_size
 
+        if self.config.attention != "block_causal":
+            return
         table = position_table_size(self.model)
-        if self.config.attention != "block_causal" or table is None:
+        if table is None:
             return
         reach = max_length - 1 + self.config.block_length  # positions 0 .. anchor + block
         if reach > table:
