@@ -99,15 +99,17 @@ def test_a_dtype_change_after_a_first_call_is_exact(decoding):
     assert torch.equal(model.generate(**call, decoding=decoding), ref)
 
 
+@pytest.mark.parametrize("other", ["stock", "lookahead", "speculative"])
 @pytest.mark.parametrize("decoding", ["jacobi", "prompt_lookup", "speculative"])
-def test_a_stock_generate_in_another_thread_meets_none_of_the_calls_hooks(decoding):
+def test_a_call_in_another_thread_meets_none_of_the_calls_hooks(decoding, other):
     """Deterministic interleaving: the decoding thread is paused inside its forward, with its hooks installed,
-    while the other thread runs a whole stock generate on the same model; then it resumes."""
+    while the other thread runs a whole generate (stock, or another decoding) on the same model; then it resumes."""
     model, call = _model_and_call()
     settings = {"drafter": hfpd.DraftHead.for_target(model, block_size=4)} if decoding == "speculative" else {}
     _first_call(model, call, "jacobi")  # the greedy head is checked: later steps install the capture hook
     ref_parallel = model.generate(**call, decoding="stock")
-    ref_stock = model.generate(**call, decoding="stock")
+    other_settings = {"drafter": hfpd.DraftHead.for_target(model, block_size=4)} if other == "speculative" else {}
+    ref_other = model.generate(**call, decoding=other, **other_settings)
     inside, done = threading.Event(), threading.Event()
     paused = {"once": False}
     layer = model.model.layers[-1]
@@ -133,7 +135,8 @@ def test_a_stock_generate_in_another_thread_meets_none_of_the_calls_hooks(decodi
         worker.start()
         assert inside.wait(60)
         assert not errors, errors
-        results["stock"] = model.generate(**call, decoding="stock")  # while the worker's hooks are installed
+        # while the worker's hooks are installed (a parallel decoding here installs its own, in this thread)
+        results["other"] = model.generate(**call, decoding=other, **other_settings)
         done.set()
         worker.join(60)
     finally:
@@ -141,5 +144,5 @@ def test_a_stock_generate_in_another_thread_meets_none_of_the_calls_hooks(decodi
         handle.remove()
     assert not errors, errors
     assert paused["once"], "the decoding thread never reached a step with the capture hook installed"
-    assert torch.equal(results["stock"], ref_stock)
+    assert torch.equal(results["other"], ref_other)
     assert torch.equal(results["parallel"], ref_parallel)
