@@ -17,7 +17,19 @@ import hf_paralleldecode as hfpd
 
 pytestmark = pytest.mark.core  # the equivalence core: also run on the floor of the tested range (.ci/run)
 
-STRATEGIES = ["jacobi", "jacobi_forcing", "lookahead", "prompt_lookup"]
+STRATEGIES = ["jacobi", "jacobi_forcing", "lookahead", "prompt_lookup", "speculative-head", "speculative-deer"]
+
+
+def _settings(model, case):
+    """``decoding=`` and its settings for a case of :data:`STRATEGIES`, with a drafter built for ``model`` as it is
+    now (a drafter is built for one vocabulary: after a resize the user builds or loads another)."""
+    decoding, _, kind = case.partition("-")
+    torch.manual_seed(0)
+    if kind == "head":
+        return dict(decoding=decoding, drafter=hfpd.DraftHead.for_target(model, block_size=4))
+    if kind == "deer":
+        return dict(decoding=decoding, drafter=hfpd.DiffusionDrafter.for_target(model, num_hidden_layers=1, block_size=4))
+    return dict(decoding=decoding, **({"block_size": 64} if decoding == "jacobi" else {}))
 
 
 @pytest.fixture(autouse=True)
@@ -59,8 +71,8 @@ def _model_and_call(arch="llama"):
     return model, dict(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False, eos_token_id=None)
 
 
-def _first_call(model, call, decoding):
-    model.generate(**call, decoding=decoding, **({"block_size": 64} if decoding == "jacobi" else {}))
+def _first_call(model, call, case):
+    model.generate(**call, **_settings(model, case))
 
 
 @pytest.mark.parametrize("change", ["wrap_head", "head_forward_hook", "model_forward_hook"])
@@ -75,7 +87,7 @@ def test_a_change_that_edits_logits_after_the_first_call_is_honoured(decoding, c
     else:
         model.register_forward_hook(lambda m, a, out: setattr(out, "logits", _ban_hook(m, a, out.logits)) or out)
     ref = model.generate(**call, decoding="stock")
-    out = model.generate(**call, decoding=decoding)
+    out = model.generate(**call, **_settings(model, decoding))
     new = out[:, call["input_ids"].shape[1]:]
     assert not torch.isin(new, torch.tensor(BANNED)).any()
     assert torch.equal(out, ref)
@@ -87,7 +99,7 @@ def test_resizing_the_vocabulary_after_a_first_call_works(decoding):
     _first_call(model, call, decoding)
     model.resize_token_embeddings(120)
     ref = model.generate(**call, decoding="stock")
-    assert torch.equal(model.generate(**call, decoding=decoding), ref)
+    assert torch.equal(model.generate(**call, **_settings(model, decoding)), ref)
 
 
 @pytest.mark.parametrize("decoding", STRATEGIES)
@@ -96,7 +108,7 @@ def test_a_dtype_change_after_a_first_call_is_exact(decoding):
     _first_call(model, call, decoding)
     model.to(torch.float64)
     ref = model.generate(**call, decoding="stock")
-    assert torch.equal(model.generate(**call, decoding=decoding), ref)
+    assert torch.equal(model.generate(**call, **_settings(model, decoding)), ref)
 
 
 @pytest.mark.parametrize("other", ["stock", "lookahead", "speculative"])

@@ -33,9 +33,11 @@ ROPES = {
                                    rope_parameters={"rope_type": "longrope", "short_factor": [1.0] * 4,
                                                     "long_factor": [4.0] * 4, "rope_theta": 10000.0})),
 }
+#: a case name -> (decoding, drafter kind or None)
 DECODINGS = {
-    "jacobi": {}, "jacobi_forcing": {}, "lookahead": {}, "prompt_lookup": {},
-    "speculative": {"drafter": "head"},
+    "jacobi": ("jacobi", None), "jacobi_forcing": ("jacobi_forcing", None), "lookahead": ("lookahead", None),
+    "prompt_lookup": ("prompt_lookup", None), "speculative-head": ("speculative", "head"),
+    "speculative-deer": ("speculative", "deer"),
 }
 
 
@@ -44,12 +46,15 @@ def _rope_model(case):
     return hfpd.enable(tiny_model(arch, **overrides))
 
 
-def _settings(model, decoding):
-    settings = dict(DECODINGS[decoding])
-    if settings.get("drafter") == "head":
-        torch.manual_seed(0)
-        settings["drafter"] = hfpd.DraftHead.for_target(model, block_size=4)
-    return settings
+def _settings(model, case):
+    """``decoding=`` and its settings for a case of :data:`DECODINGS` (a fresh drafter built for ``model``)."""
+    decoding, drafter = DECODINGS[case]
+    torch.manual_seed(0)
+    if drafter == "head":
+        return dict(decoding=decoding, drafter=hfpd.DraftHead.for_target(model, block_size=4))
+    if drafter == "deer":
+        return dict(decoding=decoding, drafter=hfpd.DiffusionDrafter.for_target(model, num_hidden_layers=1, block_size=4))
+    return dict(decoding=decoding)
 
 
 class CountForwards:
@@ -76,7 +81,7 @@ def test_generation_within_the_rotary_limit_is_exact(case, decoding):
     ids, mask = prompts(3, length=8)
     kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=LIMIT - 8, do_sample=False, eos_token_id=None)
     ref = model.generate(**kwargs, decoding="stock")
-    out = model.generate(**kwargs, decoding=decoding, **_settings(model, decoding))
+    out = model.generate(**kwargs, **_settings(model, decoding))
     assert torch.equal(out, ref)
 
 
@@ -88,8 +93,7 @@ def test_generation_past_the_rotary_limit_is_refused_before_any_forward(case, de
     settings = _settings(model, decoding)
     counter = CountForwards(model)
     with pytest.raises(ValueError, match=rf"rope_type='\w+'.*position {LIMIT}.*prompt \+ new tokens <= {LIMIT}"):
-        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False, decoding=decoding,
-                       **settings)
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False, **settings)
     assert counter.n == 0
 
 
