@@ -27,6 +27,11 @@ _LAZY = {
     "DiffusionDrafter": "drafters.diffusion",
     "DiffusionDrafterConfig": "drafters.diffusion",
     "export_draft_head": "drafters.export",
+    "export_drafter": "drafters.export",
+    "Eagle3Drafter": "drafters.eagle3",
+    "Eagle3Config": "drafters.eagle3",
+    "load_drafter": "drafters.loading",
+    "DraftStats": "drafters.base",
     "ParallelDecodingOutput": "decoding.base",
     "ParallelDecodingConfig": "config",
     "load_model": "loading",
@@ -41,6 +46,9 @@ __all__ = [
     "DiffusionDrafterConfig",
     "DraftHead",
     "DraftHeadConfig",
+    "DraftStats",
+    "Eagle3Config",
+    "Eagle3Drafter",
     "ParallelDecodingConfig",
     "ParallelDecodingMixin",
     "ParallelDecodingOutput",
@@ -49,12 +57,14 @@ __all__ = [
     "default_model_path",
     "enable",
     "export_draft_head",
+    "export_drafter",
     "get_decoding",
     "hardware_preset",
     "is_enabled",
     "jacobi",
     "jacobi_forcing",
     "load_default_model",
+    "load_drafter",
     "load_model",
     "load_tokenizer",
     "lookahead",
@@ -99,9 +109,12 @@ if TYPE_CHECKING:  # pragma: no cover
     from .decoding.lookahead import lookahead
     from .decoding.prompt_lookup import prompt_lookup
     from .decoding.speculative import speculative
+    from .drafters.base import DraftStats
     from .drafters.diffusion import DiffusionDrafter, DiffusionDrafterConfig
-    from .drafters.export import export_draft_head
+    from .drafters.eagle3 import Eagle3Config, Eagle3Drafter
+    from .drafters.export import export_draft_head, export_drafter
     from .drafters.head import DraftHead, DraftHeadConfig
+    from .drafters.loading import load_drafter
     from .hardware import hardware_preset
     from .integration import ParallelDecodingMixin, enable, is_enabled
     from .loading import default_model_path, load_default_model, load_model, load_tokenizer

@@ -214,7 +214,7 @@ def _resolve_drafter(settings: dict) -> dict:
     if not isinstance(drafter, str):
         return settings
     if drafter not in _HEADS:
-        from .decoding.speculative import load_drafter
+        from .drafters.loading import load_drafter
 
         _HEADS[drafter] = load_drafter(drafter)
     return {**settings, "drafter": _HEADS[drafter]}
@@ -268,7 +268,7 @@ def _one_run(model, enc, spec: StrategySpec | None, max_new_tokens: int, timer: 
     prompt_len = enc["input_ids"].shape[1]
     pad = model.generation_config.pad_token_id
     eos = model.generation_config.eos_token_id
-    resolved, stats, ours = {}, {}, False
+    resolved, stats, ours, draft = {}, {}, False, None
     timer.reset()
     sync()
     t0 = time.perf_counter()
@@ -291,11 +291,11 @@ def _one_run(model, enc, spec: StrategySpec | None, max_new_tokens: int, timer: 
 
             params = inspect.signature(get_decoding(kwargs["decoding"])).parameters
             resolved = {k: v for k, v in out.stats.items() if k in params and isinstance(v, (bool, int, float, str))}
+            drafted = out.draft_stats  # learned drafters: summed over the prompts by run_benchmark
             stats, out = out.stats, out.sequences
-            if "accepted_lengths" in stats:  # learned drafters: summed over the prompts by run_benchmark
-                forwards = stats.get("drafter_forwards_per_step", 0) * len(stats["accepted_lengths"])
-                draft = dict(accepted=stats["accepted_lengths"], seconds=stats.get("drafter_seconds", 0.0),
-                             forwards=forwards, tokens=stats.get("drafter_tokens_per_forward", 0.0) * forwards)
+            if drafted is not None:
+                draft = dict(accepted=drafted.accepted_lengths, seconds=drafted.drafter_seconds,
+                             forwards=drafted.drafter_forwards, tokens=drafted.drafter_fed_tokens)
         gen = out[:, prompt_len:]
         # a row finished early leaves our strategies' forwards; stock greedy keeps computing every row
         row_forwards = stats["row_forwards"] if ours else gen.shape[0] * timer.count
@@ -314,7 +314,7 @@ def _one_run(model, enc, spec: StrategySpec | None, max_new_tokens: int, timer: 
         forward_seconds=timer.seconds + (stats.get("greedy_head_seconds", 0.0) if ours else 0.0),
         generated=gen.cpu(),
         resolved=resolved,
-        draft=draft if ours and "accepted_lengths" in stats else None,
+        draft=draft,
         # cost-aware budgets: the decoding steps they chose for, and the optional nodes fed over them
         budget_steps=budget_steps,
         budget_nodes=stats.get("budget_optional_nodes_per_step", 0.0) * budget_steps,

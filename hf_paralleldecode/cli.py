@@ -107,7 +107,7 @@ def _load(args):
         name = f"{EMBEDDED_MODELS[args.model]} (embedded)" if args.model in EMBEDDED_MODELS else str(args.model)
     model = model.to(device=device, dtype=dtype).eval()
     if getattr(args, "drafter", None):
-        from .decoding.speculative import load_drafter
+        from .drafters.loading import load_drafter
         from .integration import attach_drafter
 
         try:

@@ -200,6 +200,29 @@ def dflash_classes():
     return MuseGlimmerAssistantConfig, MuseGlimmerAssistantModel
 
 
+def rotary_embedding(**config_kwargs):
+    """transformers' rotary embedding for a Llama-style config (every ``rope_type``): ``module(x, position_ids)``
+    gives ``(cos, sin)``; :func:`apply_rotary` applies them. Used by drafters that own their attention (EAGLE-3)."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    return LlamaRotaryEmbedding(LlamaConfig(**config_kwargs))
+
+
+def activation(name: str):
+    """transformers' activation module for a config's ``hidden_act`` name."""
+    from transformers.activations import ACT2FN
+
+    return ACT2FN[name]
+
+
+def apply_rotary(q, k, cos, sin):
+    """Rotate ``q`` / ``k`` ``[b, heads, s, head_dim]`` by ``(cos, sin)`` ``[b, s, head_dim]`` (transformers' own)."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    return apply_rotary_pos_emb(q, k, cos, sin)
+
+
 def default_cache(model):
     """The empty cache stock ``generate`` would build for ``model`` (its layers say full / sliding / recurrent)."""
     return DynamicCache(config=model.config.get_text_config(decoder=True))
@@ -314,6 +337,8 @@ INTERNALS: tuple[tuple[str, str], ...] = (
     ("transformers.trainer.Trainer", "_load_from_checkpoint"),
     ("transformers.modeling_utils.PreTrainedModel", "_is_stateful"),
     ("transformers.modeling_rope_utils", "dynamic_rope_update"),
+    ("transformers.models.llama.modeling_llama", "LlamaRotaryEmbedding"),
+    ("transformers.models.llama.modeling_llama", "apply_rotary_pos_emb"),
 )
 #: attributes transformers sets at run time on the objects named (checked on a real ``generate`` call)
 RUNTIME_INTERNALS: dict[str, tuple[str, ...]] = {

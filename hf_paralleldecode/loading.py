@@ -11,6 +11,7 @@ from pathlib import Path
 
 from .config import CONFIG_NAME, ParallelDecodingConfig
 from .integration import BUNDLE_DRAFTER_DIR, attach_drafter, enable
+from .tokenization import load_tokenizer
 
 __all__ = ["load_model", "load_tokenizer", "default_model_path", "load_default_model", "resolve_model_path",
            "DEFAULT_MODEL_NAME", "EMBEDDED_MODELS"]
@@ -89,7 +90,7 @@ def load_model(
             (Path(pretrained) / BUNDLE_DRAFTER_DIR).is_dir():
         drafter = Path(pretrained) / BUNDLE_DRAFTER_DIR  # a bundle whose config does not name its head
     if drafter is not None:
-        from .decoding.speculative import load_drafter
+        from .drafters.loading import load_drafter
 
         head = load_drafter(drafter, **hub_kwargs)
         head.to(device=model.device, dtype=model.dtype)
@@ -107,27 +108,6 @@ def _resolve_drafter_path(pretrained, drafter: str):
     if Path(pretrained).is_dir():
         return local if local.is_dir() else drafter
     return (str(pretrained), drafter)  # a Hub bundle: (repo id, subfolder)
-
-
-def load_tokenizer(path, **kwargs):
-    """The checkpoint's tokenizer; a generic ``tokenizer.json`` pipeline is loaded exactly as written.
-
-    ``AutoTokenizer`` in transformers 5.x replaces the tokenizer of any ``qwen2`` checkpoint with
-    ``Qwen2Tokenizer`` (its own pre-tokenizer), which splits text differently from a byte-level BPE
-    trained with ``tokenizers`` (the embedded model ships in Llama layout for that reason). A
-    checkpoint whose ``tokenizer_config.json`` declares the generic backend (``TokenizersBackend`` /
-    ``PreTrainedTokenizerFast``) is therefore loaded with ``PreTrainedTokenizerFast``; anything else
-    goes through ``AutoTokenizer``.
-    """
-    import json
-
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
-    config = Path(path) / "tokenizer_config.json"
-    declared = json.loads(config.read_text()).get("tokenizer_class") if config.is_file() else None
-    if declared in ("TokenizersBackend", "PreTrainedTokenizerFast"):
-        return PreTrainedTokenizerFast.from_pretrained(path, **kwargs)
-    return AutoTokenizer.from_pretrained(path, **kwargs)
 
 
 def load_default_model(name: str = "default", **kwargs):

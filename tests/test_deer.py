@@ -15,7 +15,7 @@ from transformers import BertConfig, BertForMaskedLM
 
 import hf_paralleldecode as hfpd
 from hf_paralleldecode import DiffusionDrafter
-from hf_paralleldecode.decoding import diffusion as diffusion_module
+from hf_paralleldecode.drafters import diffusion as diffusion_module
 from hf_paralleldecode.training import (
     DiffusionAlignmentCollator,
     DiffusionAlignmentConfig,
@@ -143,20 +143,20 @@ def test_depth_sets_the_masks_fed_and_stats_report_acceptance(small_vocab):
 # ---- the drafter's cache ---------------------------------------------------------------------------
 def _recorded_marginals(model, drafter, ids, mask, **kw):
     calls = []
-    original = diffusion_module.DiffusionSource.marginals
+    original = diffusion_module.DiffusionState.marginals
 
     def marginals(self, roots, root_pos):
         out = original(self, roots, root_pos)
         calls.append(([self.run.history(int(r)) for r in self.run.rows], out.clone()))
         return out
 
-    diffusion_module.DiffusionSource.marginals = marginals
+    diffusion_module.DiffusionState.marginals = marginals
     try:
         kw.setdefault("drafter_dtype", "target")  # the comparisons below are fp32 to fp32
         model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False, eos_token_id=None,
                        decoding="speculative", drafter=drafter, **kw)
     finally:
-        diffusion_module.DiffusionSource.marginals = original
+        diffusion_module.DiffusionState.marginals = original
     return calls
 
 

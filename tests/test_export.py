@@ -74,8 +74,9 @@ def test_transformers_export_runs_in_stock_dflash_generation_with_the_same_draft
 
 @pytest.mark.parametrize("kind", ["block_bidirectional", "tree_causal"])
 def test_speculators_config_has_what_vllm_requires(tmp_path, kind):
-    _, head = _head(kind)
-    export_draft_head(head, tmp_path, format="speculators")
+    target, head = _head(kind)
+    target.save_pretrained(tmp_path / "target")
+    export_draft_head(head, tmp_path, format="speculators", verifier=tmp_path / "target")
     cfg = json.loads((tmp_path / "config.json").read_text())
     assert "model_type" not in cfg and cfg["speculators_model_type"] == "dflash"
     assert cfg["aux_hidden_state_layer_ids"] == [1, 3]  # vLLM counts the embeddings as capture 0
@@ -89,7 +90,8 @@ def test_speculators_config_has_what_vllm_requires(tmp_path, kind):
     assert layer.get("is_causal", False) is (kind == "tree_causal")
     proposal = cfg["speculators_config"]["proposal_methods"][0]
     assert proposal["speculative_tokens"] == 4
-    assert cfg["speculators_config"]["verifier"]["name_or_path"] == "org/tiny-qwen3"
+    assert cfg["speculators_config"]["verifier"] == {"name_or_path": str((tmp_path / "target").resolve()),
+                                                     "architectures": ["Qwen3ForCausalLM"]}  # class names
     _check_engine_weights(tmp_path, head)
 
 

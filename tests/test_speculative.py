@@ -100,7 +100,7 @@ def test_exactly_one_target_forward_per_step_plus_prefill(small_vocab):
         rec.restore()
     steps = out.num_forward_passes - 1
     assert len(rec.calls) == out.num_forward_passes  # the head never runs the target
-    assert out.stats["head_forwards_per_step"] >= 1 and steps > 0
+    assert out.stats["drafter_forwards_per_step"] >= 1 and steps > 0
     assert rec.calls[0]["cached"] == 0 and all(c["cached"] > 0 for c in rec.calls[1:])
 
 
@@ -111,9 +111,9 @@ def test_statistics_report_tau_head_forwards_and_drafting_cost(small_vocab):
                                    decoding="speculative", drafter=head_for(small_vocab, kind), tree_budget=8,
                                    return_dict_in_generate=True)
         s = out.stats
-        assert s["mean_accepted_length"] >= 1 and s["drafting_cost"] > 0 and s["head_seconds"] > 0
+        assert s["mean_accepted_length"] >= 1 and s["drafting_cost"] > 0 and s["drafter_seconds"] > 0
         if forwards is not None:
-            assert s["head_forwards_per_step"] == forwards
+            assert s["drafter_forwards_per_step"] == forwards
         assert s["tree_budget"] == 8 and s["tree_depth"] == 4 and s["head"] == kind
 
 
@@ -281,8 +281,8 @@ def _no_forward(model):
     "settings, match",
     [
         (dict(), "needs a drafter"),
-        (dict(drafter="no/such-head-anywhere"), "Could not load a DraftHead"),
-        (dict(drafter=3), "must be a hf_paralleldecode.DraftHead"),
+        (dict(drafter="no/such-head-anywhere"), "neither a local folder nor a Hub repo"),
+        (dict(drafter=3), "must be a drafter"),
         (dict(tree_budget=0), "tree_budget"),
         (dict(tree_width=0), "tree_width"),
         (dict(tree_depth=0), "tree_depth"),
@@ -316,11 +316,11 @@ def test_more_waves_fill_larger_trees_and_stay_exact(small_vocab, budget):
                              decoding="speculative", drafter=head, tree_budget=budget, tree_width=2,
                              tree_waves=waves, return_dict_in_generate=True)
         assert torch.equal(out.sequences, ref)
-        assert out.stats["head_forwards_per_step"] <= (waves or 4) and out.stats["tree_waves"] == (waves or 4)
+        assert out.stats["drafter_forwards_per_step"] <= (waves or 4) and out.stats["tree_waves"] == (waves or 4)
         runs[waves] = out.stats
-    assert runs[40]["head_forwards_per_step"] >= runs[None]["head_forwards_per_step"]
+    assert runs[40]["drafter_forwards_per_step"] >= runs[None]["drafter_forwards_per_step"]
     if budget == 64:  # 4 waves x width 2 cannot hold 64 nodes; 40 waves fill more of the budget
-        assert runs[40]["head_forwards_per_step"] > runs[None]["head_forwards_per_step"]
+        assert runs[40]["drafter_forwards_per_step"] > runs[None]["drafter_forwards_per_step"]
 
 
 def test_tree_waves_with_a_block_head_is_refused():
@@ -406,7 +406,7 @@ def test_bundle_round_trip_and_head_only_repo(tmp_path):
     bundle = hfpd.load_model(tmp_path / "bundle")
     out = bundle.generate(**gen)
     assert out.decoding == "speculative" and out.stats["tree_budget"] == 4 and torch.equal(out.sequences, ref)
-    assert out.stats["head_forwards_per_step"] >= 1
+    assert out.stats["drafter_forwards_per_step"] >= 1
     assert not any(k.startswith("draft") or "_hfpd" in k for k in bundle.state_dict())  # the head is not a submodule
     assert torch.equal(bundle.generate(**gen, decoding="stock").sequences, ref)
 
@@ -486,7 +486,7 @@ def test_drafter_given_as_a_folder_and_a_bundle_whose_config_does_not_name_it(tm
 @pytest.mark.parametrize("dtype", ["bfloat16", torch.float16, "float32", "target"])
 @pytest.mark.parametrize("kind", KINDS)
 def test_drafter_dtype_runs_the_head_in_that_dtype_and_output_stays_exact(kind, dtype):
-    from hf_paralleldecode.decoding.speculative import DRAFTER_DTYPES
+    from hf_paralleldecode.drafters.loading import DRAFTER_DTYPES
 
     model = enabled("llama")
     ids, mask = prompts(3)
@@ -521,7 +521,7 @@ def test_cpu_preset_runs_drafters_in_bf16_only_on_cpus_with_native_bf16(monkeypa
 def test_a_drafter_named_by_folder_is_loaded_once_until_its_files_change(tmp_path):
     import os
 
-    from hf_paralleldecode.decoding.speculative import load_drafter
+    from hf_paralleldecode.drafters.loading import load_drafter
 
     target = tiny_model("llama")
     head_for(target, "block_bidirectional").save_pretrained(tmp_path / "head")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -52,6 +53,8 @@ class ParallelDecodingOutput(GenerateDecoderOnlyOutput):
         decoding: name of the strategy.
         stats: strategy-specific counters and the settings the strategy resolved (e.g. cache
             compactions, ``block_size``, ``tau``).
+        draft_stats: a learned drafter's measurements (:class:`~hf_paralleldecode.DraftStats`;
+            ``decoding="speculative"``), else ``None``.
 
     ``scores`` / ``logits`` (with ``output_scores`` / ``output_logits``) hold, per step, the values
     of the committed tokens; rows that had already finished at that step hold zeros (stock
@@ -64,6 +67,7 @@ class ParallelDecodingOutput(GenerateDecoderOnlyOutput):
     tokens_per_forward: float | None = None
     decoding: str | None = None
     stats: dict | None = None
+    draft_stats: Any = None
 
 
 def check_int_setting(name: str, value, minimum: int) -> int:
@@ -165,6 +169,7 @@ class DecodeRun:
         self.rows = rows  # [active] original row ids of the rows still decoding
         self.target = TargetForward(model)
         self.stats: dict = {}
+        self.draft_stats = None  # a DraftStats, set by a drafting proposer
         self._prompt_lists: list[list[int]] | None = None  # see prompt_tokens
 
     @property
@@ -315,6 +320,7 @@ class DecodeRun:
             tokens_per_forward=float(useful.sum()) / max(forwards, 1),
             decoding=self.name,
             stats=stats,
+            draft_stats=self.draft_stats,
         )
 
 
@@ -437,6 +443,7 @@ def decode(model, name, make_proposer, input_ids, logits_processor, stopping_cri
                 budget.learn(tree, verdict)
             proposer.update(tree, verdict)
         run.stats.update(proposer.stats)
+        run.draft_stats = getattr(proposer, "draft_stats", None)
         if proposer.cost_budget is not None:
             proposer.cost_budget.remember()
             run.stats.update(proposer.cost_budget.stats)

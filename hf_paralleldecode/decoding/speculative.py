@@ -1,13 +1,11 @@
 """Speculative decoding with a learned drafter: it drafts a token tree, the target verifies it in one forward.
 
-Two drafter kinds, one proposer (:class:`DraftProposer`), which grows the tree, applies the user's
-processors to ``q``, merges context n-grams and packs; a *source* gives it the drafter's
-distributions:
-    * a draft head (:class:`~hf_paralleldecode.DraftHead`: JetSpec tree-causal, DFlash
-      block-bidirectional) reads the target's hidden states (:class:`_HeadSource`);
-    * a DEER diffusion drafter (:class:`~hf_paralleldecode.DiffusionDrafter`) reads only tokens and
-      gives per-depth marginals from one denoising forward (:class:`~.diffusion.DiffusionSource`);
-      the tree is grown from them exactly as from a DFlash head's (``tree_width=1``: DEER's block).
+Any drafter kind, one proposer (:class:`DraftProposer`), which grows the tree, applies the user's
+processors to ``q``, merges context n-grams, budgets and packs. It knows drafters only through the
+:class:`~hf_paralleldecode.drafters.base.Drafter` interface: a drafter's per-call state gives either
+per-depth marginals for a block (DFlash heads, JetSpec's released heads, DEER diffusion drafters) or
+the children of given nodes conditioned on their branch (tree-causal heads, EAGLE-3), as logits over
+the target's vocabulary. Loading and recognising checkpoints is :mod:`hf_paralleldecode.drafters.loading`.
 
 Per step (rows run independently; ``cache.py`` explains how they share one cache)
     1. The head receives the target features of the tokens committed last step (from the
@@ -17,14 +15,12 @@ Per step (rows run independently; ``cache.py`` explains how they share one cache
     2. The tree is grown best-first under the cumulative draft log-probability
        (:class:`~.draft_tree.TreeBuilder`; JetSpec Algorithm 1, Eq. 15) within ``tree_budget``
        drafted nodes, ``tree_width`` children per node and ``tree_depth`` levels:
-       * ``block_bidirectional`` head (DFlash): ONE head forward over ``[root, MASK x block]``
-         gives per-depth marginals; a node's children come from the marginal of the next depth
-         (DDTree's product of marginals; ``tree_width=1`` gives DFlash's chain).
-       * ``tree_causal`` head (JetSpec): branch-conditioned (Eq. 10). Nodes are evaluated in
-         *waves*: each wave is one head forward over the nodes the builder needs (a real-token slot
-         per node plus a MASK query slot under it, tree-causal mask, the earlier waves' slots
-         kept in the head cache), so a tree costs one head forward per wave, at most
-         ``tree_depth`` (in practice about its depth; ``stats["head_forwards_per_step"]``).
+       * marginals (block drafters): ONE drafter forward gives per-depth marginals; a node's
+         children come from the marginal of the next depth (DDTree's product of marginals;
+         ``tree_width=1`` gives DFlash's chain).
+       * branches (causal drafters): nodes are evaluated in *waves*: each wave is one drafter
+         forward over the nodes the builder needs, so a tree costs one drafter forward per wave,
+         at most ``tree_waves`` (default ``tree_depth``; ``stats["drafter_forwards_per_step"]``).
        The user's logits processors shape ``q`` along each node's own path, as they shape ``p``.
        With sampling, children are drawn without replacement from the processed ``q`` (Gumbel
        top-``W``) and the tree carries ``q``; greedy trees take the top-``W`` children.
@@ -32,31 +28,27 @@ Per step (rows run independently; ``cache.py`` explains how they share one cache
        multi-draft rejection sampling with ``q`` when sampling) and keeps the accepted path's KV;
        the head keeps the accepted path's features and drops its block slots.
 
-Statistics (``output.stats``): ``mean_accepted_length`` (also ``tau``: accepted drafted tokens + 1
-per step, the convention of the JetSpec and DFlash papers), ``max_accepted_length``,
-``accepted_lengths`` (per step, per active row), ``drafter_forwards_per_step`` and
-``drafter_seconds`` (also ``head_*`` for heads), ``drafting_cost`` (c = (T_draft / N) / T_verify,
-JetSpec Appendix G, with N the drafted nodes), ``draft_host_seconds``; diffusion drafters add
-``drafter_tokens_per_forward`` (input slots per drafter forward: what a bidirectional drafter's
-missing prefix cache costs).
+Statistics: ``output.draft_stats`` (a :class:`~hf_paralleldecode.drafters.base.DraftStats`), also flat
+in ``output.stats``: ``mean_accepted_length`` (also ``tau``: accepted drafted tokens + 1 per step, the
+convention of the JetSpec and DFlash papers), ``max_accepted_length``, ``accepted_lengths`` (per step,
+per active row), ``drafter_forwards_per_step``, ``drafter_seconds``, ``drafter_tokens_per_forward``
+(input slots per drafter forward), ``drafting_cost`` (c = (T_draft / N) / T_verify, JetSpec Appendix
+G, with N the drafted nodes) and ``draft_host_seconds``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-import os
 import time
 
 import torch
 
-from ..compat import DynamicCache
-from ..drafters.diffusion import DiffusionDrafter, target_vocab_size
+from ..drafters.base import Drafter, DraftStats, target_vocab_size
+from ..drafters.loading import check_drafter_dtype, drafter_run_dtype, load_drafter
 from ..hardware import preset_settings
 from .base import Proposer, check_int_setting, checks_settings, decode
 from .budget import CostAwareBudget
-from .cache import SlotCache, additive_mask
-from .diffusion import DiffusionSource
 from .draft_tree import TreeBuilder
 from .processors import prefix_independent, process_prefixes
 from .prompt_lookup import CONTEXT, GUESSES, ContextNgrams, check_context_settings
@@ -64,25 +56,6 @@ from .target import HiddenStateTaps
 from .tree import PackedTree, tree_from_parents
 
 __all__ = ["speculative"]
-
-
-DRAFTER_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def check_drafter_dtype(drafter_dtype) -> None:
-    """``None`` (the preset's), ``"target"``, a name of :data:`DRAFTER_DTYPES` or one of its dtypes."""
-    if drafter_dtype is None or drafter_dtype == "target" or drafter_dtype in DRAFTER_DTYPES or \
-            drafter_dtype in DRAFTER_DTYPES.values():
-        return
-    raise ValueError(f"drafter_dtype must be 'target' (the model's dtype), one of {sorted(DRAFTER_DTYPES)} or the "
-                     f"torch dtype of one, got {drafter_dtype!r}.")
-
-
-def drafter_run_dtype(drafter_dtype, model) -> torch.dtype:
-    """The dtype a drafter runs in for a (checked, preset-filled) ``drafter_dtype``."""
-    if drafter_dtype is None or drafter_dtype == "target":
-        return model.dtype
-    return DRAFTER_DTYPES.get(drafter_dtype, drafter_dtype)
 
 
 def _check_tree(tree_budget, tree_width, tree_depth, tree_waves, context_matches=0, context_tokens=10,
@@ -100,210 +73,35 @@ def _check_tree(tree_budget, tree_width, tree_depth, tree_waves, context_matches
         check_int_setting("tree_waves", tree_waves, 1)
 
 
-def load_drafter(drafter, **kwargs):
-    """A :class:`~hf_paralleldecode.DraftHead` or :class:`~hf_paralleldecode.DiffusionDrafter` as given, or
-    loaded from a folder, a Hub repo id or a shipped alias (a folder holding ``diffusion_drafter.json`` is a
-    diffusion drafter, anything else a head); ``ValueError`` naming the cause otherwise."""
-    from pathlib import Path
-
-    from ..drafters.diffusion import DRAFTER_CONFIG_NAME, EMBEDDED_DRAFTERS, DiffusionDrafter
-    from ..drafters.head import DraftHead
-
-    if isinstance(drafter, (DraftHead, DiffusionDrafter)):
-        return drafter
-    if isinstance(drafter, tuple):  # (repo id, subfolder) of a Hub bundle
-        return DraftHead.from_pretrained(drafter[0], subfolder=drafter[1], use_safetensors=True, **kwargs)
-    if not isinstance(drafter, (str, os.PathLike)):
-        raise ValueError(
-            f"`drafter` must be a hf_paralleldecode.DraftHead or DiffusionDrafter (or the folder / repo id of one), "
-            f"got {type(drafter).__name__}."
-        )
-    key = _loaded_key(drafter, kwargs)
-    if key is not None and key in _LOADED:
-        return _LOADED[key]
-    diffusion = str(drafter) in EMBEDDED_DRAFTERS or (Path(drafter) / DRAFTER_CONFIG_NAME).is_file()
-    if not diffusion and not Path(drafter).exists():
-        try:
-            from huggingface_hub import file_exists
-
-            diffusion = file_exists(str(drafter), DRAFTER_CONFIG_NAME, **kwargs)
-        except Exception:  # noqa: BLE001 - offline or missing: the head loader reports the real problem
-            diffusion = False
-    kind = DiffusionDrafter if diffusion else DraftHead
-    try:
-        loaded = kind.from_pretrained(drafter, **kwargs) if diffusion else \
-            DraftHead.from_pretrained(drafter, use_safetensors=True, **kwargs)
-    except Exception as err:  # noqa: BLE001 - any loading failure is a bad setting, reported with its cause
-        raise ValueError(f"Could not load a {kind.__name__} from drafter={str(drafter)!r}: {err}") from err
-    if key is not None:
-        _LOADED[key] = loaded
-    return loaded
-
-
-#: drafters loaded from a local folder or a shipped alias, by folder and the folder's file times: a
-#: ``generate(drafter="default-deer")`` in a loop loads it once, and a folder rewritten on disk loads again
-_LOADED: dict = {}
-
-
-def _loaded_key(drafter, kwargs) -> tuple | None:
-    from pathlib import Path
-
-    from ..drafters.diffusion import embedded_drafter_dir
-
-    folder = embedded_drafter_dir(str(drafter)) or Path(drafter)
-    if kwargs or not folder.is_dir():
-        return None  # Hub ids and loading options: loaded as asked, every time
-    files = sorted(p for p in folder.rglob("*") if p.is_file())
-    return str(folder.resolve()), tuple((str(p), p.stat().st_mtime_ns, p.stat().st_size) for p in files)
-
-
 def drafter_conflict(drafter, max_length: int) -> str | None:
     """Why ``drafter`` (an object, not a path) cannot draft a generation of ``max_length`` tokens, or ``None``;
     run by the strategy and by ``enable()``'s pre-check (``speculative.drafter_conflict``)."""
-    if isinstance(drafter, DiffusionDrafter):
-        try:
-            drafter.check_length(max_length)
-        except ValueError as err:
-            return f"cannot draft this call: {err}"
+    if not isinstance(drafter, Drafter):
+        return None  # a path: the strategy loads it and asks again
+    try:
+        drafter.check_length(max_length)
+    except ValueError as err:
+        return f"cannot draft this call: {err}"
     return None
 
 
 def _check_settings(model, drafter, tree_budget, tree_width, tree_depth, tree_waves, denoise_steps=None):
-    from ..drafters.diffusion import DiffusionDrafter
-
     if drafter is None:
         raise ValueError(
-            'decoding="speculative" needs a drafter: pass drafter=<DraftHead or DiffusionDrafter> '
-            "(hf_paralleldecode.DraftHead.from_pretrained(...), DraftHead.for_target(model), "
-            "DiffusionDrafter.from_pretrained(...)), or load a bundle with hfpd.load_model(dir) that names one."
+            'decoding="speculative" needs a drafter: pass drafter=<a drafter object, folder, Hub repo id or shipped '
+            'alias> (hf_paralleldecode.load_drafter(...), DraftHead.for_target(model), "default-deer"), or load a '
+            "bundle with hfpd.load_model(dir) that names one."
         )
     drafter = load_drafter(drafter)
     drafter.check_target(model)
     _check_tree(tree_budget, tree_width, tree_depth, tree_waves, denoise_steps=denoise_steps)
-    depth = drafter.config.block_size if tree_depth is None else tree_depth
-    diffusion = isinstance(drafter, DiffusionDrafter)
-    if denoise_steps is not None and not diffusion:
-        raise ValueError("denoise_steps sets a diffusion drafter's denoising forwards per draft; a draft head drafts "
-                         "in one pass. Drop denoise_steps.")
-    if denoise_steps is not None and denoise_steps > min(depth, drafter.config.block_size):
-        raise ValueError(f"denoise_steps={denoise_steps} exceeds the block of {min(depth, drafter.config.block_size)} "
-                         "masks: each step unmasks at least one position. Lower denoise_steps.")
-    kind = "diffusion drafter" if diffusion else f"{drafter.config.attention} head"
-    if tree_waves is not None and (diffusion or drafter.config.attention != "tree_causal"):
-        raise ValueError(
-            f"tree_waves sets how many forwards a tree_causal head may run per step; this {kind} "
-            "drafts every depth in one forward. Drop tree_waves."
-        )
-    if (diffusion or drafter.config.attention == "block_bidirectional") and depth > drafter.config.block_size:
-        raise ValueError(
-            f"tree_depth={depth} exceeds the {kind}'s block_size={drafter.config.block_size}: "
-            "one block drafts at most block_size positions. Lower tree_depth."
-        )
+    depth = drafter.default_depth if tree_depth is None else tree_depth
+    drafter.check_settings(depth, tree_waves, denoise_steps)
     return drafter, depth
 
 
-class _HeadContext:
-    """The head's KV cache: committed context slots (valid per row) + this step's block slots."""
-
-    def __init__(self, head, batch: int, device):
-        self.head = head
-        self.slots = SlotCache(DynamicCache(), torch.zeros(batch, 0, dtype=torch.bool, device=device), head.dtype)
-        self.new_feats = None  # [b, n, F] features not yet in the cache
-        self.new_pos = None  # [b, n]
-        self.new_valid = None  # [b, n]
-        self.block = 0  # block slots appended this step
-        self.forwards = 0
-        self.seconds = 0.0
-
-    def add_context(self, feats, positions, valid):
-        self.new_feats, self.new_pos, self.new_valid = feats, positions, valid.bool()
-
-    def run(self, ids, positions, visible) -> torch.Tensor:
-        """One head forward over new block slots; ``visible`` ``[b, s, block + s]`` (bool) among block slots."""
-        b, s = ids.shape
-        device = ids.device
-        feats = self.new_feats if self.new_feats is not None else torch.zeros(
-            b, 0, self.head.config.target_hidden_size * len(self.head.config.target_layer_ids), device=device)
-        new_pos = self.new_pos if self.new_pos is not None else torch.zeros(b, 0, dtype=torch.long, device=device)
-        new_valid = self.new_valid if self.new_valid is not None else torch.zeros(b, 0, dtype=torch.bool,
-                                                                                  device=device)
-        n_ctx = self.slots.num_slots
-        ctx_valid = torch.cat([self.slots.valid, new_valid], dim=1)  # [b, all ctx]
-        allowed = torch.cat([ctx_valid[:, None, :].expand(b, s, ctx_valid.shape[1]), visible], dim=-1)
-        t0 = time.perf_counter()
-        hidden = self.head(self.head.embed(ids), feats, additive_mask(allowed, self.head.dtype),
-                           torch.cat([new_pos, positions], dim=1), self.slots.cache)
-        self.seconds += time.perf_counter() - t0
-        self.forwards += 1
-        if self.new_feats is not None:
-            self.slots.valid = torch.cat([self.slots.valid, new_valid], dim=1)
-            self.new_feats = self.new_pos = self.new_valid = None
-        assert self.slots.cache.get_seq_length() == n_ctx + feats.shape[1] + self.block + s
-        self.block += s
-        return hidden
-
-    def end_step(self):
-        if self.block:
-            self.slots.cache.crop(-self.block)
-            self.block = 0
-        if self.slots._holes_worth_compacting():
-            self.slots.compact()
-
-    def select_rows(self, keep):
-        self.slots.select_rows(keep)
-        if self.new_feats is not None:
-            self.new_feats, self.new_pos = self.new_feats[keep], self.new_pos[keep]
-            self.new_valid = self.new_valid[keep]
-
-
-class _HeadSource:
-    """A draft head's side of the run: context features from the verification forward, its forwards."""
-
-    def __init__(self, run, head, taps):
-        self.head, self.taps = head, taps
-        self.drafter = head  # what every source calls its drafter
-        self.kind = "waves" if head.config.attention == "tree_causal" else "marginals"
-        self.mask_id = head.config.mask_token_id
-        self.ctx = _HeadContext(head, run.rows.shape[0], run.rows.device)
-        self.ctx.add_context(taps.features().to(run.rows.device), run.prompt_positions, run.prompt_mask)  # the prefill
-
-    @property
-    def forwards(self) -> int:
-        return self.ctx.forwards
-
-    @property
-    def seconds(self) -> float:
-        return self.ctx.seconds
-
-    def run(self, ids, positions, visible) -> torch.Tensor:
-        return self.ctx.run(ids, positions, visible)
-
-    def logits(self, hidden) -> torch.Tensor:
-        return self.head.logits(hidden)
-
-    def marginals(self, roots, root_pos) -> torch.Tensor:
-        """DFlash head: one forward over ``[root, MASK x block]`` -> ``[b, block, V]`` for depths ``1..block``."""
-        b, bs = roots.shape[0], self.head.config.block_size
-        ids = torch.cat([roots[:, None], torch.full((b, bs), self.mask_id, device=roots.device)], dim=1)
-        positions = root_pos[:, None] + torch.arange(bs + 1, device=roots.device)[None]
-        visible = torch.ones(b, bs + 1, bs + 1, dtype=torch.bool, device=roots.device)
-        return self.head.logits(self.ctx.run(ids, positions, visible)[:, 1:])
-
-    def update(self, tree, verdict, root_pos) -> None:
-        feats = self.taps.features().to(tree.tokens.device)  # [active, nodes, F] of the verification forward
-        path = verdict.path.clamp(min=0)  # [active, depth + 1]
-        kept = feats.gather(1, path[..., None].expand(-1, -1, feats.shape[-1]))
-        self.ctx.add_context(kept, root_pos[:, None] + tree.depth.gather(1, path), verdict.path >= 0)
-
-    def end_step(self) -> None:
-        self.ctx.end_step()
-
-    def select(self, kept) -> None:
-        self.ctx.select_rows(kept)
-
-
 class DraftProposer(Proposer):
-    """Trees from a learned drafter (a :class:`_HeadSource` or a :class:`~.diffusion.DiffusionSource`)."""
+    """Trees from a learned drafter's per-call state (a :class:`~hf_paralleldecode.drafters.base.DrafterState`)."""
 
     #: a drafted node's statistics key under ``cost_aware``: the drafter's nodes by the bucket of their own
     #: ``q`` (``q >= 0.8``, ``0.4``, ``0.1``, below), context nodes by the rank of the match that made them
@@ -312,30 +110,29 @@ class DraftProposer(Proposer):
     #: own confidence, not from 1/2 at every depth (which would undervalue a confident deep chain until learned)
     Q_PRIOR = (0.9, 0.6, 0.25, 0.05)
 
-    def __init__(self, run, source, vocab, budget, width, depth, waves, context_matches=0, context_tokens=10,
+    def __init__(self, run, drafter, state, vocab, budget, width, depth, waves, context_matches=0, context_tokens=10,
                  context_ngram_size=3, cost_aware=False):
-        self.run, self.source, self.vocab = run, source, vocab
+        self.run, self.drafter, self.state, self.vocab = run, drafter, state, vocab
         self.context = (ContextNgrams(run, context_tokens, context_ngram_size, context_matches)
                         if context_matches else None)
         self.cost_budget = None
         if cost_aware:
             # the drafter's calibration carries over from its last call (a drafter serves one target)
             self.cost_budget = CostAwareBudget(run.model, num_sources=CONTEXT + 1, device=run.rows.device,
-                                               memory=(source.drafter, "speculative"))
+                                               memory=(drafter, "speculative"))
             for bucket, mean in enumerate(() if self.cost_budget.carried else self.Q_PRIOR):
                 self.cost_budget.acceptance.set_prior(self.cost_budget.key(GUESSES, bucket), mean)
         self.context_steps = 0  # steps whose tree held context nodes
         self.budget, self.width, self.depth = budget, width, depth
-        self.waves = waves  # causal head: forwards per step at most
+        self.waves = waves  # branch-expanding drafters: forwards per step at most
         self.sample = bool(run.generation_config.do_sample)
-        self.causal = source.kind == "waves"
         self.roots = run.log.tokens[run.rows, 0].clone()  # [active] the first token, committed by the prefill
         self.steps, self.drafted_nodes, self.accepted, self.row_steps, self.host = 0, 0, 0, 0, 0.0
         self.accepted_lengths: list[list[int]] = []  # per step, per active row: accepted + 1
 
     def select(self, kept):
         self.roots = self.roots[kept]
-        self.source.select(kept)
+        self.state.select(kept)
 
     # ---- children distributions --------------------------------------------------------------
     def _children(self, logits, prefixes, rows):
@@ -358,7 +155,7 @@ class DraftProposer(Proposer):
     def propose(self) -> PackedTree:
         run = self.run
         t_start = time.perf_counter()
-        drafter_before = self.source.seconds
+        drafter_before = self.state.seconds
         self.root_pos = run.next_positions()  # [active]
         counts = run.log.host_counts(run.rows.tolist())
         budgets = [run.log.max_new_tokens - c for c in counts]
@@ -373,11 +170,11 @@ class DraftProposer(Proposer):
         histories = run.histories()
         row_ids = run.rows.tolist()
         q_store: dict[tuple[int, int], torch.Tensor] = {}
-        if self.causal:
-            self._grow_causal(builders, histories, row_ids, q_store)
+        if self.state.expansion == "branches":
+            self._grow_branches(builders, histories, row_ids, q_store)
         else:
             self._grow_marginals(builders, histories, row_ids, q_store)
-        self.source.end_step()
+        self.state.end_step()
         self.drafted_nodes += sum(len(bld.tokens) - 1 for bld in builders)  # the head's nodes (drafting_cost)
         context_ranks = [{} for _ in builders]  # per row: context node -> rank of the match that made it
         added = found is not None and self._add_context(builders, found, context_ranks)
@@ -392,7 +189,7 @@ class DraftProposer(Proposer):
             width = tree.tokens.shape[1]
             tree.node_keys = torch.tensor([k + [-1] * (width - len(k)) for k in keys], device=tree.tokens.device)
         self.steps += 1
-        self.host += time.perf_counter() - t_start - (self.source.seconds - drafter_before)
+        self.host += time.perf_counter() - t_start - (self.state.seconds - drafter_before)
         return tree
 
     def _sample_then_match(self, found) -> bool:
@@ -426,7 +223,7 @@ class DraftProposer(Proposer):
         """Per-depth marginals ``[b, D, V]`` from one drafter step (a DFlash head, a diffusion drafter): a
         node at depth ``d`` takes its children from the marginal of depth ``d + 1``."""
         b = len(builders)
-        marginals = self.source.marginals(self.roots, self.root_pos)  # [b, D, V] for depths 1..D
+        marginals = self.state.marginals(self.roots, self.root_pos)  # [b, D, V] for depths 1..D
         bs = marginals.shape[1]
         shared = None
         if not self.sample and prefix_independent(self.run.logits_processor or []):
@@ -447,11 +244,9 @@ class DraftProposer(Proposer):
             logits = torch.stack([marginals[i, builders[i].depth[v]] for i, v in flat])
             self._evaluate(builders, flat, logits, histories, row_ids, q_store)
 
-    def _grow_causal(self, builders, histories, row_ids, q_store):
-        """JetSpec head: waves of (real-token slot, MASK query slot) per node, tree-causal mask."""
-        b = len(builders)
-        device = self.roots.device
-        slot_of: list[dict[int, int]] = [{} for _ in range(b)]  # node -> its real-token block slot
+    def _grow_branches(self, builders, histories, row_ids, q_store):
+        """Causal drafters: each wave, the drafter evaluates the nodes the builders want (their children given
+        their branch), at most ``tree_waves`` waves per step."""
         waves = 0
         while True:
             wanted = [bld.wanted() for bld in builders]
@@ -461,31 +256,9 @@ class DraftProposer(Proposer):
                 for bld in builders:
                     bld.freeze()
                 continue
-            s = 2 * max(len(w) for w in wanted)
-            base = self.source.ctx.block
-            ids = torch.full((b, s), self.source.mask_id, dtype=torch.long, device=device)
-            pos = self.root_pos[:, None].repeat(1, s)
-            visible = torch.zeros(b, s, base + s, dtype=torch.bool, device=device)
-            visible[:, torch.arange(s), base + torch.arange(s)] = True  # every slot sees itself
-            query_slot: list[dict[int, int]] = [{} for _ in range(b)]
-            for i, nodes in enumerate(wanted):
-                bld = builders[i]
-                for k, v in enumerate(nodes):
-                    real, query = 2 * k, 2 * k + 1
-                    ids[i, real] = bld.tokens[v]
-                    pos[i, real] = self.root_pos[i] + bld.depth[v]
-                    pos[i, query] = self.root_pos[i] + bld.depth[v] + 1
-                    ancestors = [slot_of[i][a] for a in [0] + bld.path(v)[:-1]] if v else []
-                    for row in (real, query):
-                        visible[i, row, ancestors] = True
-                    visible[i, query, base + real] = True
-                    slot_of[i][v] = base + real
-                    query_slot[i][v] = query
-            hidden = self.source.run(ids, pos, visible)
+            logits = self.state.expand(builders, wanted, self.roots, self.root_pos)
             waves += 1
-            flat = self._flat(wanted)
-            logits = self.source.logits(torch.stack([hidden[i, query_slot[i][v]] for i, v in flat]))
-            self._evaluate(builders, flat, logits, histories, row_ids, q_store)
+            self._evaluate(builders, self._flat(wanted), logits, histories, row_ids, q_store)
 
     def _add_context(self, builders, found, ranks) -> bool:
         """Insert each row's context continuations into its head tree (a trie: shared prefixes merge)
@@ -543,32 +316,30 @@ class DraftProposer(Proposer):
         return tree_from_parents(self.roots, [n[0] for n in nodes], [n[1] for n in nodes], [n[2] for n in nodes], q=q)
 
     def update(self, tree, verdict) -> None:
-        self.source.update(tree, verdict, self.root_pos)
+        self.state.update(tree, verdict, self.root_pos)
         self.roots = verdict.tokens.gather(1, verdict.num_accepted[:, None]).squeeze(1)
         self.accepted_lengths.append((verdict.num_accepted + 1).tolist())
         self.accepted += int((verdict.num_accepted + 1).sum())
         self.row_steps += verdict.num_accepted.numel()
 
     @property
-    def stats(self) -> dict:
+    def draft_stats(self) -> DraftStats:
         steps = max(self.steps, 1)
         per_verify = max(self.run.target.seconds, 1e-12) / max(self.run.num_forward_passes, 1)
-        per_node = self.source.seconds / steps / max(self.drafted_nodes / steps, 1e-12)  # T_draft / N
+        per_node = self.state.seconds / steps / max(self.drafted_nodes / steps, 1e-12)  # T_draft / N
         longest = max((max(step) for step in self.accepted_lengths if step), default=0)
-        names = ("drafter",) if isinstance(self.source, DiffusionSource) else ("drafter", "head")
-        return dict(
-            mean_accepted_length=self.accepted / max(self.row_steps, 1),
-            tau=self.accepted / max(self.row_steps, 1),
-            max_accepted_length=longest,
-            accepted_lengths=self.accepted_lengths,
-            drafting_cost=per_node / per_verify,
-            draft_host_seconds=self.host,
-            **{f"{n}_forwards_per_step": self.source.forwards / steps for n in names},
-            **{f"{n}_seconds": self.source.seconds for n in names},
-            **({"drafter_tokens_per_forward": self.source.fed_tokens / max(self.source.forwards, 1)}
-               if isinstance(self.source, DiffusionSource) else {}),
-            **({} if self.context is None else {**self.context.stats, "context_step_share": self.context_steps / steps}),
+        return DraftStats(
+            drafter=self.drafter.kind, tau=self.accepted / max(self.row_steps, 1), max_accepted_length=longest,
+            accepted_lengths=self.accepted_lengths, steps=self.steps, drafter_forwards=self.state.forwards,
+            drafter_seconds=self.state.seconds, drafter_fed_tokens=self.state.fed_tokens,
+            drafted_nodes=self.drafted_nodes, drafting_cost=per_node / per_verify, draft_host_seconds=self.host,
         )
+
+    @property
+    def stats(self) -> dict:
+        steps = max(self.steps, 1)
+        context = {} if self.context is None else {**self.context.stats, "context_step_share": self.context_steps / steps}
+        return {**self.draft_stats.as_stats(), **context}
 
 
 @checks_settings(_check_tree)
@@ -611,7 +382,8 @@ def speculative(
         tree_width: W, children per node (1 = a chain).
         tree_depth: N, levels below the root (default: the drafter's ``block_size``). A diffusion drafter
             feeds ``tree_depth`` masks per step (its block size at inference, at most its ``block_size``).
-        tree_waves: ``tree_causal`` heads only: head forwards per step at most (default: ``tree_depth``).
+        tree_waves: branch-expanding drafters only (``tree_causal`` heads, EAGLE-3): drafter forwards per step
+            at most (default: ``tree_depth``).
             Exact best-first insertion evaluates a node only once it is in the tree, so a confident
             chain takes one wave per level and the tree is capped near ``tree_waves x tree_width``
             nodes; more waves let large budgets fill (tau keeps rising with the budget) at one head
@@ -657,27 +429,18 @@ def speculative(
     vocab = target_vocab_size(model)
     settings = dict(tree_budget=tree_budget, tree_width=tree_width, tree_depth=depth, context_matches=context_matches,
                     context_tokens=context_tokens, context_ngram_size=context_ngram_size, hardware_preset=preset,
-                    drafter_dtype=str(dtype).removeprefix("torch."), cost_aware=cost_aware)
-    if isinstance(drafter, DiffusionDrafter):
-        c = drafter.config
-        steps = denoise_steps or min(c.denoise_steps, depth)
-        settings.update(drafter="diffusion", diffusion_attention=c.attention, denoise_steps=steps,
-                        block_size=c.block_size)
-        taps = contextlib.nullcontext()
-        make_source = lambda run, _: DiffusionSource(run, drafter, vocab, depth, steps)  # noqa: E731
-    else:
-        drafter.bind(model)
-        settings.update(drafter="head", head=drafter.config.attention)
-        taps = HiddenStateTaps(model, drafter.config.target_layer_ids)
-        make_source = lambda run, taps: _HeadSource(run, drafter, taps)  # noqa: E731
+                    drafter_dtype=str(dtype).removeprefix("torch."), cost_aware=cost_aware,
+                    **drafter.run_settings(depth, denoise_steps=denoise_steps))
     waves = tree_waves or depth
-    if settings.get("head") == "tree_causal":
+    if drafter.expansion == "branches":
         settings["tree_waves"] = waves
+    taps = HiddenStateTaps(model, drafter.tap_layers) if drafter.tap_layers else contextlib.nullcontext()
     with taps:  # hooks removed on exit
         return decode(
             model, "speculative",
-            lambda run: DraftProposer(run, make_source(run, taps), vocab, tree_budget, tree_width, depth, waves,
-                                      context_matches, context_tokens, context_ngram_size, cost_aware),
+            lambda run: DraftProposer(run, drafter, drafter.start(run, taps, vocab, depth, denoise_steps=denoise_steps),
+                                      vocab, tree_budget, tree_width, depth, waves, context_matches, context_tokens,
+                                      context_ngram_size, cost_aware),
             input_ids, logits_processor, stopping_criteria, generation_config, streamer, model_kwargs, settings,
             pd_streamer=pd_streamer,
         )

@@ -17,42 +17,48 @@ Module layout (decision)
     ``"tree_causal"`` (JetSpec, Eq. 8: a slot sees its ancestors and itself) -- no copy of its
     modeling code here, and the transformers export is the body's state dict as is.
 
-Slot conventions (what the head is trained for; ``decoding/speculative.py`` drafts with them)
+Slot conventions (what the head is trained for and drafts with: :func:`block_layout`)
     A block starts at the *anchor* (the last committed token, whose target features are not
     known yet) at position ``p``. A slot whose input is ``mask_token_id`` at position ``p + d``
     predicts the token at ``p + d``.
-    * ``block_bidirectional``: ``[anchor, MASK x block_size]``, all slots see each other: one
-      forward gives per-depth marginals ``q_d`` for depths ``1..block_size``.
+    * ``block_bidirectional`` (DFlash): ``[anchor, MASK x block_size]``, all slots see each other:
+      one forward gives per-depth marginals ``q_d`` for depths ``1..block_size``.
+    * ``block_causal`` (the JetSpec authors' released heads, ``causal_head``): the same slots under a
+      causal mask (slot ``d`` sees the anchor and the masks before it): per-depth marginals.
     * ``tree_causal``: a tree node ``u`` (depth ``d``) is a real-token slot at ``p + d``; the
       distribution of its children comes from a MASK *query* slot at ``p + d + 1`` that sees
       ``u``, ``u``'s ancestors and itself: ``q(y | x, pi(u))``, branch-conditioned (Eq. 10).
+      Training feeds one branch (the committed tokens) per anchor: a chain of the inference tree.
 
 What it deliberately does not know
-    How trees are built or verified (``decoding/speculative.py``, ``decoding/verify.py``).
+    How trees are grown or verified (``decoding/speculative.py``, ``decoding/verify.py``); it hands
+    the tree grower per-depth marginals (block heads) or the children of given nodes (``tree_causal``)
+    through :class:`HeadState`, the :class:`~.base.DrafterState` of a call.
 """
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
+import time
 
 import torch
 from transformers import PretrainedConfig
 
-from ..compat import HeadPreTrainedModel, cache_kwargs, dflash_classes, set_body_attn_implementation
+from ..compat import DynamicCache, HeadPreTrainedModel, cache_kwargs, dflash_classes, set_body_attn_implementation
+from ..decoding.cache import SlotCache, additive_mask
+from .base import SHIPPED_DRAFTERS, CardSaving, Drafter, DrafterState, register_drafter_kind
+from .formats import PROJECT_KEY, DrafterFormat, hs_to_layer_ids, layer_settings, load_strict, read_tensors
 
-__all__ = ["DraftHeadConfig", "DraftHead", "HEAD_ATTENTIONS", "EMBEDDED_HEADS", "default_target_layer_ids"]
+__all__ = ["DraftHeadConfig", "DraftHead", "HEAD_ATTENTIONS", "EMBEDDED_HEADS", "default_target_layer_ids",
+           "block_layout"]
 
-HEAD_ATTENTIONS = ("tree_causal", "block_bidirectional")
-
-#: the package's shipped checkpoints (the embedded models, heads and drafters)
-ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets"
+#: ``tree_causal``: branch-conditioned (this project's JetSpec Eq. 10 head: real-token slots + MASK queries);
+#: ``block_bidirectional``: DFlash; ``block_causal``: the JetSpec authors' released heads (``causal_head``):
+#: ``[anchor, MASK x block]`` under a causal mask, per-depth marginals from one forward
+HEAD_ATTENTIONS = ("tree_causal", "block_bidirectional", "block_causal")
 
 #: shipped heads for the embedded model (``DraftHead.from_pretrained("default-jetspec")``) -> folder under assets/
-EMBEDDED_HEADS = {
-    "default-jetspec": "stdlib-coder-8m-jetspec-head",  # recipes/draft_head_tiny_cpu.yaml
-    "default-dflash": "stdlib-coder-8m-dflash-head",  # recipes/dflash_head_tiny_cpu.yaml
-}
+EMBEDDED_HEADS = {k: v for k, v in SHIPPED_DRAFTERS.items() if k in ("default-jetspec", "default-dflash")}
 
 
 def default_target_layer_ids(num_target_layers: int, count: int) -> list[int]:
@@ -68,34 +74,21 @@ def default_target_layer_ids(num_target_layers: int, count: int) -> list[int]:
     return sorted({round(lo + i * (hi - lo) / (count - 1)) for i in range(count)})
 
 
-def upload_saved(drafter, repo_id: str, commit_message: str, private: bool | None = None, token=None,
-                 revision: str | None = None, **kwargs) -> str:
-    """Create ``repo_id`` if needed and upload what ``drafter.save_pretrained`` writes (weights, config, card)."""
-    import tempfile
-
-    from huggingface_hub import HfApi
-
-    api = HfApi(token=token)
-    repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
-    with tempfile.TemporaryDirectory() as tmp:
-        drafter.save_pretrained(tmp)
-        info = api.upload_folder(folder_path=tmp, repo_id=repo_id, commit_message=commit_message,
-                                 revision=revision, **kwargs)
-    return str(info)
-
-
 class DraftHeadConfig(PretrainedConfig):
     """Configuration of a :class:`DraftHead` and of the target it was built for.
 
     Args:
-        attention: ``"tree_causal"`` (JetSpec) or ``"block_bidirectional"`` (DFlash).
+        attention: ``"tree_causal"`` (branch-conditioned), ``"block_bidirectional"`` (DFlash) or
+            ``"block_causal"`` (the JetSpec authors' heads).
         block_size: drafted positions per block (the anchor comes on top).
         mask_token_id: a row of the target's input embedding used for MASK slots.
         target_layer_ids: target decoder layers whose outputs feed the head.
         target_hidden_size: the target's hidden size. This and the four ``target_*`` fields below
             describe the target the head belongs to (checked before any forward).
-        target_vocab_size: the target's vocabulary size.
-        target_num_hidden_layers: the target's number of decoder layers.
+        target_vocab_size: the target's vocabulary size (``None``: unknown, as in an imported
+            checkpoint that does not record it; ``mask_token_id`` is then checked against the target).
+        target_num_hidden_layers: the target's number of decoder layers (``None``: unknown; the tapped
+            layers are then checked against the target).
         target_model_type: the target's ``model_type``.
         target_name_or_path: the target's folder or Hub id.
         hidden_size: the body's hidden size (a Qwen3-style decoder); it equals the target's, since
@@ -108,6 +101,8 @@ class DraftHeadConfig(PretrainedConfig):
         head_dim: the body's head dimension (default: ``hidden_size // num_attention_heads``).
         rms_norm_eps: the body's RMSNorm epsilon.
         rope_theta: the body's RoPE base.
+        rope_parameters: the body's whole RoPE settings (transformers' ``rope_parameters``, e.g. an
+            imported head's scaling); default: ``{"rope_type": "default", "rope_theta": rope_theta}``.
         max_position_embeddings: the body's maximum position.
         hidden_act: the body's MLP activation.
         initializer_range: standard deviation of the random initialisation.
@@ -122,8 +117,8 @@ class DraftHeadConfig(PretrainedConfig):
         mask_token_id: int = 0,
         target_layer_ids: list[int] | None = None,
         target_hidden_size: int = 64,
-        target_vocab_size: int = 32000,
-        target_num_hidden_layers: int = 4,
+        target_vocab_size: int | None = 32000,
+        target_num_hidden_layers: int | None = 4,
         target_model_type: str | None = None,
         target_name_or_path: str | None = None,
         hidden_size: int | None = None,
@@ -134,6 +129,7 @@ class DraftHeadConfig(PretrainedConfig):
         head_dim: int | None = None,
         rms_norm_eps: float = 1e-6,
         rope_theta: float = 10000.0,
+        rope_parameters: dict | None = None,
         max_position_embeddings: int = 32768,
         hidden_act: str = "silu",
         initializer_range: float = 0.02,
@@ -167,15 +163,17 @@ class DraftHeadConfig(PretrainedConfig):
         self.head_dim = head_dim or self.hidden_size // num_attention_heads
         self.rms_norm_eps = rms_norm_eps
         self.rope_theta = rope_theta
+        self.rope_parameters = dict(rope_parameters) if rope_parameters else None
         self.max_position_embeddings = max_position_embeddings
         self.hidden_act = hidden_act
         self.initializer_range = initializer_range
-        bad = [i for i in self.target_layer_ids if not 0 <= i < target_num_hidden_layers]
+        top = target_num_hidden_layers if target_num_hidden_layers is not None else float("inf")
+        bad = [i for i in self.target_layer_ids if not 0 <= i < top]
         if bad or not self.target_layer_ids:
             raise ValueError(
-                f"target_layer_ids {self.target_layer_ids} must be non-empty and within 0..{target_num_hidden_layers - 1}."
+                f"target_layer_ids {self.target_layer_ids} must be non-empty and within 0..{top - 1}."
             )
-        if not 0 <= mask_token_id < target_vocab_size:
+        if mask_token_id < 0 or (target_vocab_size is not None and mask_token_id >= target_vocab_size):
             raise ValueError(f"mask_token_id {mask_token_id} is not a row of the target's {target_vocab_size}-row vocabulary.")
         super().__init__(**kwargs)
 
@@ -185,7 +183,7 @@ class DraftHeadConfig(PretrainedConfig):
             hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
             num_hidden_layers=self.num_hidden_layers, num_attention_heads=self.num_attention_heads,
             num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim, rms_norm_eps=self.rms_norm_eps,
-            rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta},
+            rope_parameters=self.rope_parameters or {"rope_type": "default", "rope_theta": self.rope_theta},
             max_position_embeddings=self.max_position_embeddings, sliding_window=self.max_position_embeddings,
             layer_types=["full_attention"] * self.num_hidden_layers, hidden_act=self.hidden_act,
             block_size=self.block_size + 1, mask_token_id=self.mask_token_id,
@@ -204,12 +202,100 @@ def _target_facts(target) -> dict:
     )
 
 
-class DraftHead(HeadPreTrainedModel):
-    """A draft head (see module docstring). Build one with :meth:`for_target`, load with ``from_pretrained``."""
+def _is_dflash_family(c: dict) -> bool:
+    return "speculators_model_type" not in c and ("dflash_config" in c or any(
+        "DFlash" in a for a in c.get("architectures") or []))
+
+
+_ENGINE_NAMES = (("model.fc.", "model.encoder.fc."), ("model.hidden_norm.", "model.encoder.output_norm_enc."),
+                 ("model.layers.", "model.layers."), ("model.norm.", "model.norm."),
+                 ("fc.", "model.encoder.fc."), ("hidden_norm.", "model.encoder.output_norm_enc."),
+                 ("layers.", "model.layers."), ("norm.", "model.norm."))
+
+#: the layouts a draft head reads (``load_drafter`` tries each kind's formats in turn)
+HEAD_FORMATS = (
+    DrafterFormat("hf_paralleldecode draft head", "head",
+                  lambda c: c.get("model_type") == "hf_paralleldecode_draft_head"),
+    DrafterFormat("transformers DFlash assistant (MuseGlimmerAssistantModel)", "head",
+                  lambda c: c.get("model_type") == "muse_glimmer_assistant",
+                  renames=(("model.", "model."), ("encoder.", "model.encoder."), ("layers.", "model.layers."),
+                           ("norm.", "model.norm."))),
+    DrafterFormat("speculators dflash", "head", lambda c: c.get("speculators_model_type") == "dflash",
+                  renames=_ENGINE_NAMES),
+    DrafterFormat("z-lab DFlash / JetSpec", "head", _is_dflash_family, renames=_ENGINE_NAMES),
+)
+
+
+def _head_settings(fmt: DrafterFormat, c: dict, folder) -> dict:
+    """``DraftHeadConfig`` keyword arguments from a DFlash-family config (z-lab, JetSpec, transformers, speculators)."""
+    name = fmt.name
+    own = c.get(PROJECT_KEY) or {}
+    if fmt.name.startswith("speculators"):
+        layer = dict(c.get("transformer_layer_config") or {})
+        if c.get("sample_from_anchor"):
+            raise ValueError(f"{folder}: a speculators dflash drafter with sample_from_anchor=true drafts the anchor's "
+                             "slot too; this project's heads draft after the anchor.")
+        vocab = layer.get("vocab_size")
+        if c.get("draft_vocab_size") not in (None, vocab):
+            raise ValueError(f"{folder}: this speculators dflash drafter has a reduced draft vocabulary "
+                             f"({c['draft_vocab_size']} of {vocab}); DFlash heads here draft through the target's "
+                             "own LM head.")
+        ids = c.get("aux_hidden_state_layer_ids")
+        if not ids:
+            raise ValueError(f"{folder}: the speculators dflash config has no aux_hidden_state_layer_ids.")
+        taps = hs_to_layer_ids(ids, name, folder)
+        block, mask = c.get("block_size"), c.get("mask_token_id")
+        causal = bool(layer.get("is_causal"))
+        target_hidden = c.get("target_hidden_size")
+        facts = dict(target_vocab_size=vocab, target_num_hidden_layers=None)
+    else:
+        layer = c
+        dc = c.get("dflash_config") or {}
+        for key, default in (("input_embedding_scale", 1), ("output_multiplier", 1), ("final_logit_softcapping", None)):
+            if dc.get(key, default) != default:
+                raise ValueError(f"{folder}: this {name} drafter sets dflash_config.{key}={dc[key]!r}; only the "
+                                 "defaults (scale 1, multiplier 1, no softcapping) are supported.")
+        block = dc.get("block_size", c.get("block_size"))
+        mask = dc.get("mask_token_id", c.get("mask_token_id"))
+        taps = dc.get("target_layer_ids", c.get("target_layer_ids"))
+        if taps is None and c.get("num_target_layers") and fmt.name.startswith("z-lab"):
+            L, n = int(c["num_target_layers"]), int(c.get("num_hidden_layers") or 1)
+            # JetSpec's default: spread evenly from 1 to L - 3 over the drafter's layers, [L // 2] for one layer
+            taps = [L // 2] if n == 1 else [round(1 + i * (L - 4) / (n - 1)) for i in range(n)]
+        if taps is None and fmt.name.startswith("transformers"):
+            taps = [1, 13, 25, 37, 49]  # MuseGlimmerAssistantConfig's default
+        causal = bool(dc.get("causal_head") or dc.get("causal") or c.get("is_causal"))
+        target_hidden = dc.get("target_hidden_size")
+        facts = dict(target_vocab_size=c.get("vocab_size"), target_num_hidden_layers=c.get("num_target_layers"))
+    if block is None or mask is None or not taps:
+        raise ValueError(f"{folder}: the {name} config lacks " + ", ".join(
+            k for k, v in (("block_size", block), ("mask_token_id", mask), ("target_layer_ids", taps)) if not v
+            and v != 0) + ".")
+    sizes = layer_settings(layer, name, folder)
+    if target_hidden is not None and int(target_hidden) != sizes["hidden_size"]:
+        raise ValueError(f"{folder}: this {name} drafter's target_hidden_size ({target_hidden}) differs from its "
+                         f"hidden_size ({sizes['hidden_size']}); such adapters are not supported.")
+    attention = own.get("attention") or ("block_causal" if causal else "block_bidirectional")
+    settings = dict(attention=attention, block_size=int(block) - 1, mask_token_id=int(mask),
+                    target_layer_ids=[int(i) for i in taps], target_hidden_size=sizes["hidden_size"], **sizes)
+    settings.update({k: v for k, v in facts.items()})
+    settings.update({k: v for k, v in own.items() if k.startswith("target_") and k != "target_layer_ids"})
+    if int(block) < 2:
+        raise ValueError(f"{folder}: block_size={block} leaves no drafted position after the anchor.")
+    return settings
+
+
+@register_drafter_kind
+class DraftHead(CardSaving, Drafter, HeadPreTrainedModel):
+    """A draft head (see module docstring). Build one with :meth:`for_target`, load with ``from_pretrained``
+    (or :func:`hf_paralleldecode.load_drafter`, which also imports the DFlash / JetSpec formats)."""
+
+    kind = "head"
 
     config_class = DraftHeadConfig
     base_model_prefix = "draft_head"
     main_input_name = "noise_embeds"
+    upload_message = "Upload draft head"
     def __init__(self, config: DraftHeadConfig):
         super().__init__(config)
         body_config = config.assistant_config()
@@ -228,10 +314,33 @@ class DraftHead(HeadPreTrainedModel):
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
-        """``PreTrainedModel.from_pretrained``, plus the shipped heads' aliases (:data:`EMBEDDED_HEADS`)."""
-        if isinstance(pretrained_model_name_or_path, str) and pretrained_model_name_or_path in EMBEDDED_HEADS:
-            pretrained_model_name_or_path = ASSETS_DIR / EMBEDDED_HEADS[pretrained_model_name_or_path]
-        return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        """A head saved by :meth:`save_pretrained`, a shipped alias (:data:`EMBEDDED_HEADS`), or any checkpoint
+        format :func:`hf_paralleldecode.load_drafter` reads as a draft head (DFlash, JetSpec, this project's
+        exports). Loading is strict: a folder of another kind, or a missing or unexpected weight, raises
+        ``ValueError`` naming what was found (never a randomly initialised head)."""
+        from .loading import load_drafter
+
+        if args:
+            raise ValueError("DraftHead.from_pretrained takes the folder / repo id and keyword options only.")
+        kwargs.pop("use_safetensors", None)
+        head = load_drafter(pretrained_model_name_or_path, cache=False, **kwargs)
+        if not isinstance(head, cls):
+            raise ValueError(f"{pretrained_model_name_or_path!s} holds a {type(head).__name__}, not a DraftHead: load it "
+                             "with hf_paralleldecode.load_drafter(...).")
+        return head
+
+    FORMATS = HEAD_FORMATS
+
+    @classmethod
+    def read_checkpoint(cls, fmt: DrafterFormat, folder, config: dict) -> DraftHead:
+        """A head from a recognised checkpoint folder (strict: see :func:`~.formats.load_strict`)."""
+        if fmt is HEAD_FORMATS[0]:
+            head_config = DraftHeadConfig.from_pretrained(folder)
+        else:
+            head_config = DraftHeadConfig(**_head_settings(fmt, config, folder))
+        head = cls(head_config)
+        load_strict(head, read_tensors(folder), fmt, folder)
+        return head.eval()
 
     # ---- building and checking ---------------------------------------------------------------
     @classmethod
@@ -265,14 +374,20 @@ class DraftHead(HeadPreTrainedModel):
         head.to(dtype=target_model.dtype, device=target_model.device)
         return head.eval()
 
-    def check_target(self, target_model) -> None:
-        """``ValueError`` naming the mismatch when ``target_model`` is not the head's target."""
+    def check_target(self, target_model, tokenizer=None) -> None:
+        """``ValueError`` naming the mismatch when ``target_model`` is not the head's target (facts the
+        checkpoint does not record are checked against what the head needs: tapped layers, mask row)."""
         facts = _target_facts(target_model)
         wrong = [
             f"{key[len('target_'):].replace('_', ' ')}: head expects {getattr(self.config, key)}, target has {value}"
             for key, value in facts.items()
-            if key != "target_model_type" and getattr(self.config, key) != value
+            if key != "target_model_type" and getattr(self.config, key) is not None and getattr(self.config, key) != value
         ]
+        layers, vocab = facts["target_num_hidden_layers"], facts["target_vocab_size"]
+        if max(self.config.target_layer_ids) >= layers:
+            wrong.append(f"tapped layers {self.config.target_layer_ids}: the target has {layers} layers")
+        if self.config.mask_token_id >= vocab:
+            wrong.append(f"mask token {self.config.mask_token_id}: the target's vocabulary has {vocab} rows")
         if wrong:
             raise ValueError(
                 "This draft head was built for another target (" + "; ".join(wrong) + "). Load the head trained "
@@ -311,24 +426,35 @@ class DraftHead(HeadPreTrainedModel):
         )
         return out.last_hidden_state
 
+    # ---- the Drafter interface ------------------------------------------------------------------------
+    @property
+    def expansion(self) -> str:
+        return "branches" if self.config.attention == "tree_causal" else "marginals"
+
+    @property
+    def tap_layers(self) -> list[int]:
+        return list(self.config.target_layer_ids)
+
+    @property
+    def max_depth(self) -> int | None:
+        """A block head drafts at most its block; a ``tree_causal`` head grows branches as deep as asked."""
+        return None if self.config.attention == "tree_causal" else self.config.block_size
+
+    @property
+    def default_depth(self) -> int:
+        return self.config.block_size
+
+    def describe(self) -> str:
+        return f"{self.config.attention} head"
+
+    def run_settings(self, depth: int, **settings) -> dict:
+        return {"drafter": self.kind, "head": self.config.attention}
+
+    def start(self, run, taps, vocab: int, depth: int, **settings) -> HeadState:
+        self.bind(run.model)
+        return HeadState(run, self, taps)
+
     # ---- saving -----------------------------------------------------------------------------------
-    def save_pretrained(self, save_directory, *args, **kwargs):
-        """Only the head (safetensors) + its config + a model card; the target's weights never."""
-        kwargs["safe_serialization"] = True
-        out = super().save_pretrained(save_directory, *args, **kwargs)
-        readme = Path(save_directory) / "README.md"
-        if not readme.exists():
-            readme.write_text(self.model_card())
-        return out
-
-    def push_to_hub(self, repo_id: str, commit_message: str = "Upload draft head", private: bool | None = None,
-                    token=None, revision: str | None = None, **kwargs) -> str:
-        """Upload what :meth:`save_pretrained` writes (head, config, this head's model card) to ``repo_id``.
-
-        (The stock ``push_to_hub`` would replace the card with a generic one.)
-        """
-        return upload_saved(self, repo_id, commit_message, private, token, revision, **kwargs)
-
     def model_card(self) -> str:
         c = self.config
         kind = "JetSpec tree-causal" if c.attention == "tree_causal" else "DFlash block-bidirectional"
@@ -346,3 +472,138 @@ class DraftHead(HeadPreTrainedModel):
                                                   if k != "transformers_version"}, indent=2, sort_keys=True)
             + "\n```\n"
         )
+
+
+def block_layout(kind: str, block_size: int, anchors: torch.Tensor, tokens: torch.Tensor, mask_token_id: int):
+    """Slots of every anchor's block: the one layout training and inference share.
+
+    ``anchors`` ``[B, A]`` index ``tokens`` ``[B, T]`` (the anchor is the last committed token). Returns
+    ``ids`` / ``positions`` ``[B, A * S]`` (positions relative to index 0 of ``tokens``), ``intra``
+    ``[S, S]`` (bool, who sees whom inside a block) and ``query`` ``[block_size]``: the slot predicting
+    depth ``k`` (``1..block_size``). Inference feeds the same block per row with ``A = 1`` and
+    ``tokens = [root]`` (its positions shifted by the root's); ``tree_causal`` training feeds the
+    committed branch, which the inference tree's waves feed node by node.
+    """
+    B, A = anchors.shape
+    a = anchors.clamp(min=0)
+    k = torch.arange(block_size + 1, device=anchors.device)
+    if kind in ("block_bidirectional", "block_causal"):
+        S = block_size + 1
+        pos = a[..., None] + k  # [B, A, S]
+        ids = torch.full((B, A, S), mask_token_id, dtype=torch.long, device=anchors.device)
+        ids[..., 0] = tokens.gather(1, a)
+        intra = torch.ones(S, S, dtype=torch.bool, device=anchors.device)
+        if kind == "block_causal":
+            intra = intra.tril()
+        query = torch.arange(1, S, device=anchors.device)
+    else:  # tree_causal: real tokens r_0..r_{n-1} at slots 0..n-1, queries m_1..m_n at slots n..2n-1
+        n, S = block_size, 2 * block_size
+        real_pos = a[..., None] + k[:n]
+        real = tokens.gather(1, real_pos.reshape(B, -1).clamp(max=tokens.shape[1] - 1)).reshape(B, A, n)
+        ids = torch.cat([real, torch.full((B, A, n), mask_token_id, dtype=torch.long, device=anchors.device)], dim=-1)
+        pos = torch.cat([real_pos, real_pos + 1], dim=-1)
+        tril = torch.ones(n, n, dtype=torch.bool, device=anchors.device).tril()
+        intra = torch.zeros(S, S, dtype=torch.bool, device=anchors.device)
+        intra[:n, :n] = tril  # real slots: causal chain
+        intra[n:, :n] = tril  # query m_k sees r_0..r_{k-1}
+        intra[n:, n:] = torch.eye(n, dtype=torch.bool, device=anchors.device)  # and itself
+        query = torch.arange(n, S, device=anchors.device)
+    return ids.reshape(B, A * S), pos.reshape(B, A * S), intra, query
+
+
+class HeadState(DrafterState):
+    """A draft head's side of one call: its KV cache of committed context features (per row, from the
+    verification forwards' taps: never an extra target forward) plus this step's block slots."""
+
+    def __init__(self, run, head: DraftHead, taps):
+        super().__init__()
+        self.head, self.taps = head, taps
+        self.expansion = head.expansion
+        self.mask_id = head.config.mask_token_id
+        device = run.rows.device
+        self.slots = SlotCache(DynamicCache(), torch.zeros(run.rows.shape[0], 0, dtype=torch.bool, device=device),
+                               head.dtype)
+        self.block = 0  # block slots appended this step
+        self._slot_of: list[dict[int, int]] = [{} for _ in range(run.rows.shape[0])]  # tree_causal: node -> slot
+        self._add_context(taps.features().to(device), run.prompt_positions, run.prompt_mask)  # the prefill
+
+    def _add_context(self, feats, positions, valid):
+        self.new_feats, self.new_pos, self.new_valid = feats, positions, valid.bool()
+
+    def _run(self, ids, positions, visible) -> torch.Tensor:
+        """One head forward over new block slots; ``visible`` ``[b, s, block + s]`` (bool) among block slots."""
+        b, s = ids.shape
+        n_ctx = self.slots.num_slots
+        ctx_valid = torch.cat([self.slots.valid, self.new_valid], dim=1)  # [b, all ctx]
+        allowed = torch.cat([ctx_valid[:, None, :].expand(b, s, ctx_valid.shape[1]), visible], dim=-1)
+        feats = self.new_feats
+        t0 = time.perf_counter()
+        hidden = self.head(self.head.embed(ids), feats, additive_mask(allowed, self.head.dtype),
+                           torch.cat([self.new_pos, positions], dim=1), self.slots.cache)
+        self.seconds += time.perf_counter() - t0
+        self.forwards += 1
+        self.fed_tokens += b * (s + feats.shape[1])
+        self.slots.valid = ctx_valid
+        self._add_context(feats[:, :0], self.new_pos[:, :0], self.new_valid[:, :0])
+        assert self.slots.cache.get_seq_length() == n_ctx + feats.shape[1] + self.block + s
+        self.block += s
+        return hidden
+
+    def marginals(self, roots, root_pos) -> torch.Tensor:
+        """Block heads: one forward over :func:`block_layout`'s block -> ``[b, block, V]`` for depths ``1..block``."""
+        c = self.head.config
+        b = roots.shape[0]
+        ids, pos, intra, query = block_layout(c.attention, c.block_size, torch.zeros(b, 1, dtype=torch.long,
+                                                                                      device=roots.device),
+                                              roots[:, None], c.mask_token_id)
+        hidden = self._run(ids, root_pos[:, None] + pos, intra[None].expand(b, -1, -1))
+        return self.head.logits(hidden[:, query])
+
+    def expand(self, builders, wanted, roots, root_pos) -> torch.Tensor:
+        """``tree_causal``: one wave, a (real-token slot, MASK query slot) pair per wanted node; the query sees
+        the node, its ancestors' slots (earlier waves of this step) and itself."""
+        b = len(builders)
+        device = roots.device
+        s = 2 * max(len(w) for w in wanted)
+        base = self.block
+        ids = torch.full((b, s), self.mask_id, dtype=torch.long, device=device)
+        pos = root_pos[:, None].repeat(1, s)
+        visible = torch.zeros(b, s, base + s, dtype=torch.bool, device=device)
+        visible[:, torch.arange(s), base + torch.arange(s)] = True  # every slot sees itself
+        query_slot: list[dict[int, int]] = [{} for _ in range(b)]
+        for i, nodes in enumerate(wanted):
+            bld, slot_of = builders[i], self._slot_of[i]
+            for k, v in enumerate(nodes):
+                real, query = 2 * k, 2 * k + 1
+                ids[i, real] = bld.tokens[v]
+                pos[i, real] = root_pos[i] + bld.depth[v]
+                pos[i, query] = root_pos[i] + bld.depth[v] + 1
+                ancestors = [slot_of[a] for a in [0] + bld.path(v)[:-1]] if v else []
+                for row in (real, query):
+                    visible[i, row, ancestors] = True
+                visible[i, query, base + real] = True
+                slot_of[v] = base + real
+                query_slot[i][v] = query
+        hidden = self._run(ids, pos, visible)
+        return self.head.logits(torch.stack([hidden[i, query_slot[i][v]] for i, nodes in enumerate(wanted)
+                                             for v in nodes]))
+
+    def update(self, tree, verdict, root_pos) -> None:
+        feats = self.taps.features().to(tree.tokens.device)  # [active, nodes, F] of the verification forward
+        path = verdict.path.clamp(min=0)  # [active, depth + 1]
+        kept = feats.gather(1, path[..., None].expand(-1, -1, feats.shape[-1]))
+        self._add_context(kept, root_pos[:, None] + tree.depth.gather(1, path), verdict.path >= 0)
+
+    def end_step(self) -> None:
+        if self.block:
+            self.slots.cache.crop(-self.block)
+            self.block = 0
+        for slot_of in self._slot_of:
+            slot_of.clear()
+        if self.slots._holes_worth_compacting():
+            self.slots.compact()
+
+    def select(self, kept) -> None:
+        self.slots.select_rows(kept)
+        self._slot_of = [self._slot_of[int(i)] for i in kept]
+        self.new_feats, self.new_pos, self.new_valid = self.new_feats[kept], self.new_pos[kept], self.new_valid[kept]

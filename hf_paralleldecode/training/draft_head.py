@@ -36,10 +36,11 @@ from transformers import Trainer, TrainingArguments
 from ..compat import TrainerHooks
 from ..decoding.cache import additive_mask
 from ..decoding.target import HiddenStateTaps
+from ..drafters.head import block_layout
 from .losses import DISTILLATION_OBJECTIVES, draft_distillation_loss, position_weights
 from .trajectories import check_token_ids
 
-__all__ = ["DraftHeadDistillationConfig", "DraftHeadDistillationTrainer", "DraftHeadCollator", "block_layout"]
+__all__ = ["DraftHeadDistillationConfig", "DraftHeadDistillationTrainer", "DraftHeadCollator", "block_layout"]  # noqa: F822
 
 
 @dataclass
@@ -122,36 +123,6 @@ def padded_rows_and_anchors(rows, pad: int, max_anchors: int, generator: torch.G
     for b, p in enumerate(picks):
         anchors[b, : len(p)] = p
     return ids, mask, anchors, picks
-
-
-def block_layout(kind: str, block_size: int, anchors: torch.Tensor, tokens: torch.Tensor, mask_token_id: int):
-    """Slots of every anchor's block, as the drafter lays them out at inference.
-
-    Returns ``ids`` / ``positions`` ``[B, A * S]``, ``intra`` ``[S, S]`` (bool, who sees whom inside a
-    block) and ``query`` ``[block_size]``: the slot predicting depth ``k`` (``1..block_size``).
-    """
-    B, A = anchors.shape
-    a = anchors.clamp(min=0)
-    k = torch.arange(block_size + 1)
-    if kind == "block_bidirectional":
-        S = block_size + 1
-        pos = a[..., None] + k  # [B, A, S]
-        ids = torch.full((B, A, S), mask_token_id, dtype=torch.long)
-        ids[..., 0] = tokens.gather(1, a)
-        intra = torch.ones(S, S, dtype=torch.bool)
-        query = torch.arange(1, S)
-    else:  # tree_causal: real tokens r_0..r_{n-1} at slots 0..n-1, queries m_1..m_n at slots n..2n-1
-        n, S = block_size, 2 * block_size
-        real_pos = a[..., None] + k[:n]
-        real = tokens.gather(1, real_pos.reshape(B, -1).clamp(max=tokens.shape[1] - 1)).reshape(B, A, n)
-        ids = torch.cat([real, torch.full((B, A, n), mask_token_id, dtype=torch.long)], dim=-1)
-        pos = torch.cat([real_pos, real_pos + 1], dim=-1)
-        intra = torch.zeros(S, S, dtype=torch.bool)
-        intra[:n, :n] = torch.ones(n, n, dtype=torch.bool).tril()  # real slots: causal chain
-        intra[n:, :n] = torch.ones(n, n, dtype=torch.bool).tril()  # query m_k sees r_0..r_{k-1}
-        intra[n:, n:] = torch.eye(n, dtype=torch.bool)  # and itself
-        query = torch.arange(n, S)
-    return ids.reshape(B, A * S), pos.reshape(B, A * S), intra, query
 
 
 class DrafterTrainer(TrainerHooks, Trainer):

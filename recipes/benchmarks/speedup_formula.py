@@ -87,7 +87,7 @@ def main():
             alpha = sum(n - 1 for n in lengths) / reached
             tau = sum(lengths) / steps
             model_s = sum(o.stats["model_seconds"] for o in out)
-            head_s = sum(o.stats["head_seconds"] for o in out)
+            head_s = sum(o.stats["drafter_seconds"] for o in out)
             forwards = sum(o.num_forward_passes for o in out)
             t_verify = model_s / forwards
             c = (head_s / steps / budget) / t_verify

@@ -1,0 +1,274 @@
+"""load_drafter: every known layout imports strictly and drafts losslessly; every export reads back and drafts
+identically; a wrong folder raises before any forward. (tests/speculators_check.py runs the speculators package.)"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from models import enabled, prompts, reference, tiny_model
+from safetensors.torch import save_file
+
+import hf_paralleldecode as hfpd
+from hf_paralleldecode import DraftHead, Eagle3Drafter, export_drafter, load_drafter
+from hf_paralleldecode.decoding.speculative import DraftProposer
+
+pytestmark = pytest.mark.core
+
+
+def _head(model, attention="block_bidirectional", **kw):
+    torch.manual_seed(0)
+    return DraftHead.for_target(model, attention=attention, num_hidden_layers=2, block_size=4,
+                                initializer_range=0.3, **kw)
+
+
+def _eagle(model, **kw):
+    torch.manual_seed(0)
+    return Eagle3Drafter.for_target(model, initializer_range=0.3, **kw)
+
+
+def _drafts(model, drafter, batch=3, **settings):
+    """Greedy output (checked against stock) and every tree the drafter proposed."""
+    trees = []
+    pack = DraftProposer._pack
+
+    def record(self, nodes, q_store, sample_then_match=False):
+        trees.append([tuple(tokens) for tokens, _, _ in nodes])
+        return pack(self, nodes, q_store, sample_then_match)
+
+    DraftProposer._pack = record
+    try:
+        ids, mask = prompts(batch)
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=16, do_sample=False,
+                             decoding="speculative", drafter=drafter, drafter_dtype="float32", **settings)
+    finally:
+        DraftProposer._pack = pack
+    arch = model.config.model_type
+    torch.testing.assert_close(out, reference(arch, batch, 16), rtol=0, atol=0)
+    return trees
+
+
+def _same_weights(a, b):
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sorted(sa) == sorted(sb)
+    for k in sa:
+        assert torch.equal(sa[k].float(), sb[k].float()), k
+
+
+def _saved_target(model, tmp_path):
+    folder = tmp_path / "target"
+    model.save_pretrained(folder)
+    return folder
+
+
+# ---- this project's exports read back and draft identically ------------------------------------------------
+@pytest.mark.parametrize("fmt,attention", [("transformers", "block_bidirectional"),
+                                           ("speculators", "block_bidirectional"), ("speculators", "tree_causal"),
+                                           ("speculators", "block_causal"), ("dflash", "block_bidirectional"),
+                                           ("dflash", "tree_causal"), ("dflash", "block_causal")])
+def test_head_exports_read_back_and_draft_identically(tmp_path, fmt, attention):
+    model = enabled("qwen3")
+    head = _head(model, attention)
+    export_drafter(head, tmp_path / "out", format=fmt, verifier=_saved_target(model, tmp_path))
+    again = load_drafter(tmp_path / "out", cache=False)
+    assert isinstance(again, DraftHead) and again.config.attention == attention
+    assert again.config.block_size == head.config.block_size
+    assert again.config.target_layer_ids == head.config.target_layer_ids
+    assert again.config.target_vocab_size == head.config.target_vocab_size
+    _same_weights(head, again)
+    assert _drafts(model, head, tree_budget=8) == _drafts(model, again, tree_budget=8)
+
+
+@pytest.mark.parametrize("fmt", ["speculators", "eagle3"])
+@pytest.mark.parametrize("reduced", [False, True], ids=["full_vocab", "reduced_vocab"])
+def test_eagle3_exports_read_back_and_draft_identically(tmp_path, fmt, reduced):
+    model = enabled("llama")
+    drafter = _eagle(model, draft_vocab_size=48 if reduced else None)
+    drafter.bind(model)
+    export_drafter(drafter, tmp_path / "out", format=fmt, verifier=_saved_target(model, tmp_path))
+    again = load_drafter(tmp_path / "out", cache=False)
+    assert isinstance(again, Eagle3Drafter)
+    assert again.config.target_layer_ids == drafter.config.target_layer_ids
+    assert again.config.draft_vocab_size == drafter.config.draft_vocab_size
+    if reduced:
+        assert torch.equal(again.draft_token_ids(), drafter.draft_token_ids())
+    assert _drafts(model, drafter, tree_budget=8) == _drafts(model, again, tree_budget=8)
+
+
+# ---- other projects' layouts, written as the notes describe them -------------------------------------------
+def _zlab_files(head, folder, *, nested: bool, causal_head: bool):
+    c = head.config
+    folder.mkdir(parents=True)
+    cfg = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": c.hidden_size,
+           "intermediate_size": c.intermediate_size, "num_hidden_layers": c.num_hidden_layers,
+           "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads,
+           "head_dim": c.head_dim, "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta,
+           "max_position_embeddings": c.max_position_embeddings, "vocab_size": c.target_vocab_size,
+           "num_target_layers": c.target_num_hidden_layers, "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+           "dflash_config": {"mask_token_id": c.mask_token_id, "target_layer_ids": c.target_layer_ids}}
+    if nested:
+        cfg["dflash_config"]["block_size"] = c.block_size + 1
+    else:
+        cfg["block_size"] = c.block_size + 1
+    if causal_head:
+        cfg["dflash_config"]["causal_head"] = True
+    (folder / "config.json").write_text(json.dumps(cfg))
+    tensors = {k.replace("model.encoder.fc.", "fc.").replace("model.encoder.output_norm_enc.", "hidden_norm.")
+               .removeprefix("model."): v for k, v in head.state_dict().items()}
+    save_file(tensors, folder / "model.safetensors")
+
+
+@pytest.mark.parametrize("nested", [False, True], ids=["top_level_block_size", "nested_block_size"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_zlab_dflash_imports_strictly_and_drafts_losslessly(tmp_path, nested, arch):
+    model = enabled(arch)
+    head = _head(model)
+    _zlab_files(head, tmp_path / "zlab", nested=nested, causal_head=False)
+    again = load_drafter(tmp_path / "zlab")
+    assert again.config.attention == "block_bidirectional" and again.config.block_size == 4
+    _same_weights(head, again)
+    for batch in (1, 3):
+        assert _drafts(model, head, batch, tree_budget=8) == _drafts(model, again, batch, tree_budget=8)
+
+
+def test_jetspec_released_heads_are_block_causal(tmp_path):
+    """JetSpec's causal_head: [anchor, MASK x B-1] under a causal mask; per-depth marginals from one forward."""
+    model = enabled("qwen3")
+    head = _head(model, "block_causal")
+    _zlab_files(head, tmp_path / "jetspec", nested=False, causal_head=True)
+    again = load_drafter(tmp_path / "jetspec")
+    assert again.config.attention == "block_causal" and again.expansion == "marginals"
+    assert _drafts(model, head, tree_budget=12, tree_width=3) == _drafts(model, again, tree_budget=12, tree_width=3)
+    from hf_paralleldecode.drafters.head import block_layout
+
+    _, _, intra, _ = block_layout("block_causal", 4, torch.zeros(1, 1, dtype=torch.long), torch.tensor([[5]]), 0)
+    assert torch.equal(intra, torch.ones(5, 5, dtype=torch.bool).tril())  # block query i ignores block keys j > i
+
+
+def test_transformers_dflash_assistant_folder_imports(tmp_path):
+    """A folder saved by transformers' own MuseGlimmerAssistantModel (no project keys) loads and drafts the same."""
+    from hf_paralleldecode.compat import dflash_classes
+
+    model = enabled("qwen3")
+    head = _head(model)
+    body = head.model
+    body.save_pretrained(tmp_path / "assistant")  # transformers' own save: config + encoder.* names
+    again = load_drafter(tmp_path / "assistant")
+    assert isinstance(again, DraftHead) and again.config.target_vocab_size is None  # not recorded there
+    assert type(body).__name__ == dflash_classes()[1].__name__
+    assert _drafts(model, head, tree_budget=8) == _drafts(model, again, tree_budget=8)
+
+
+def test_speculators_dflash_layout_imports(tmp_path):
+    model = enabled("qwen3")
+    head = _head(model)
+    folder = tmp_path / "spec"
+    export_drafter(head, folder, format="speculators", verifier=_saved_target(model, tmp_path))
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.pop("hf_paralleldecode")  # as speculators' own converter writes it
+    (folder / "config.json").write_text(json.dumps(cfg))
+    again = load_drafter(folder, cache=False)
+    assert again.config.target_layer_ids == head.config.target_layer_ids  # aux ids are hidden-state indices (+1)
+    assert _drafts(model, head, tree_budget=8) == _drafts(model, again, tree_budget=8)
+
+
+def _original_eagle3(drafter, folder, binary=True):
+    c = drafter.config
+    folder.mkdir(parents=True)
+    cfg = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": c.hidden_size,
+           "intermediate_size": c.intermediate_size, "num_hidden_layers": 1,
+           "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads,
+           "head_dim": c.head_dim, "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_parameters["rope_theta"],
+           "max_position_embeddings": c.max_position_embeddings, "vocab_size": c.target_vocab_size,
+           "draft_vocab_size": c.draft_vocab_size,
+           "eagle_config": {"eagle_aux_hidden_state_layer_ids": c.target_layer_ids, "use_aux_hidden_state": True}}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    state = {k.replace("layers.0.", "midlayer."): v.clone() for k, v in drafter.state_dict().items()}
+    if not c.reduced_vocab:  # EAGLE writes the maps anyway
+        state["d2t"] = torch.zeros(c.draft_vocab_size, dtype=torch.long)
+        state["t2d"] = torch.ones(c.target_vocab_size, dtype=torch.bool)
+    if binary:
+        torch.save(state, folder / "pytorch_model.bin")
+    else:
+        save_file(state, folder / "model.safetensors")
+
+
+@pytest.mark.parametrize("reduced", [False, True], ids=["full_vocab", "reduced_vocab"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_original_eagle3_layout_imports(tmp_path, reduced, arch):
+    model = enabled(arch)
+    drafter = _eagle(model, draft_vocab_size=40 if reduced else None)
+    if reduced:
+        drafter.set_draft_vocab(torch.arange(0, 80, 2))
+        ids = drafter.draft_token_ids()
+        assert int(drafter.t2d.sum()) == 40 and torch.equal(ids, torch.arange(0, 80, 2))
+    _original_eagle3(drafter, tmp_path / "eagle", binary=not reduced)
+    again = load_drafter(tmp_path / "eagle")
+    assert isinstance(again, Eagle3Drafter) and again.config.reduced_vocab == reduced
+    for batch in (1, 3):
+        assert _drafts(model, drafter, batch, tree_budget=8) == _drafts(model, again, batch, tree_budget=8)
+
+
+# ---- wrong folders raise before any forward ------------------------------------------------------------------
+def test_a_folder_of_no_known_format_is_refused(tmp_path):
+    folder = tmp_path / "x"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    with pytest.raises(ValueError, match="not a drafter checkpoint.*GPT2LMHeadModel"):
+        load_drafter(folder)
+    with pytest.raises(ValueError, match="no config.json"):
+        load_drafter(tmp_path)
+
+
+def test_missing_or_unexpected_weights_are_refused_naming_them(tmp_path):
+    model = enabled("qwen3")
+    head = _head(model)
+    _zlab_files(head, tmp_path / "zlab", nested=True, causal_head=False)
+    from safetensors.torch import load_file
+
+    tensors = load_file(tmp_path / "zlab" / "model.safetensors")
+    tensors.pop("fc.weight")
+    tensors["extra.weight"] = torch.zeros(2)
+    save_file(tensors, tmp_path / "zlab" / "model.safetensors")
+    with pytest.raises(ValueError, match=r"z-lab DFlash.*missing model\.encoder\.fc\.weight.*unexpected extra\.weight"):
+        load_drafter(tmp_path / "zlab")
+
+
+def test_draft_head_from_pretrained_never_returns_random_weights(tmp_path):
+    model = enabled("llama")
+    drafter = _eagle(model)
+    _original_eagle3(drafter, tmp_path / "eagle")
+    with pytest.raises(ValueError, match="holds a Eagle3Drafter, not a DraftHead"):
+        DraftHead.from_pretrained(tmp_path / "eagle")
+    head = _head(model)
+    export_drafter(head, tmp_path / "dflash", format="dflash")
+    _same_weights(head, DraftHead.from_pretrained(tmp_path / "dflash"))  # its own export reads back as a head
+
+
+def test_a_wrong_drafter_is_refused_before_any_forward(tmp_path):
+    model = enabled("llama")
+    other = hfpd.enable(tiny_model("llama", vocab_size=77))
+    _original_eagle3(_eagle(other), tmp_path / "eagle")
+    ids, mask = prompts(1)
+    calls = []
+    model.register_forward_hook(lambda *a: calls.append(1))
+    with pytest.raises(ValueError, match="another target"):
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, decoding="speculative",
+                       drafter=str(tmp_path / "eagle"))
+    assert not calls
+
+
+def test_speculators_export_needs_a_verifier_that_loads(tmp_path):
+    model = enabled("qwen3")
+    head = _head(model, target_name_or_path="not/a-repo-that-exists-here")
+    with pytest.raises(ValueError, match="verifier="):
+        export_drafter(head, tmp_path / "a", format="speculators")
+    target = _saved_target(model, tmp_path)
+    export_drafter(head, tmp_path / "b", format="speculators", verifier=target)
+    verifier = json.loads((tmp_path / "b" / "config.json").read_text())["speculators_config"]["verifier"]
+    assert verifier == {"name_or_path": str(target.resolve()), "architectures": ["Qwen3ForCausalLM"]}
+    loaded = hfpd.load_model(target)
+    export_drafter(head, tmp_path / "c", format="speculators", verifier=loaded)  # the model object itself
+    verifier = json.loads((tmp_path / "c" / "config.json").read_text())["speculators_config"]["verifier"]
+    assert verifier["architectures"] == ["Qwen3ForCausalLM"]
