@@ -9,7 +9,7 @@ import pytest
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 PAGES = ["getting-started.md", "methods/jacobi.md", "methods/lookahead.md", "methods/jacobi_forcing.md", "methods/speculative.md", "methods/deer.md",
-         "methods/prompt_lookup.md", "training.md",
+         "methods/prompt_lookup.md", "training.md", "drafters.md",
          "tree-budgets.md", "hardware.md"]
 
 

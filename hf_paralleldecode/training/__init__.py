@@ -3,6 +3,7 @@
 from .collators import ConsistencyCollator, ProgressiveCollator
 from .diffusion_alignment import DiffusionAlignmentCollator, DiffusionAlignmentConfig, DiffusionAlignmentTrainer
 from .draft_head import DraftHeadCollator, DraftHeadDistillationConfig, DraftHeadDistillationTrainer
+from .eagle3 import Eagle3Collator, Eagle3DistillationConfig, Eagle3DistillationTrainer
 from .losses import (
     ar_loss,
     consistency_loss,
@@ -30,6 +31,9 @@ __all__ = [
     "DraftHeadCollator",
     "DraftHeadDistillationConfig",
     "DraftHeadDistillationTrainer",
+    "Eagle3Collator",
+    "Eagle3DistillationConfig",
+    "Eagle3DistillationTrainer",
     "draft_distillation_loss",
     "load_regenerated",
     "position_weights",

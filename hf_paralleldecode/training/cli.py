@@ -26,7 +26,8 @@ __all__ = ["ScriptArguments", "train_main"]
 METHODS = {"cllm": ("ConsistencyConfig", "ConsistencyTrainer"),
            "jacobi_forcing": ("ProgressiveConsistencyConfig", "ProgressiveConsistencyTrainer"),
            "draft_head": ("DraftHeadDistillationConfig", "DraftHeadDistillationTrainer"),
-           "deer": ("DiffusionAlignmentConfig", "DiffusionAlignmentTrainer")}
+           "deer": ("DiffusionAlignmentConfig", "DiffusionAlignmentTrainer"),
+           "eagle3": ("Eagle3DistillationConfig", "Eagle3DistillationTrainer")}
 
 
 @dataclass
@@ -35,7 +36,7 @@ class ScriptArguments:
     model_name_or_path: str = field(metadata={"help": "Base model: 'default' (embedded demo model), a path or Hub id."})
     trajectories: str = field(metadata={"help": (
         "Training data: trajectories written by `hf-paralleldecode collect` (cllm, jacobi_forcing) or "
-        "continuations written by `hf-paralleldecode regenerate` (draft_head, deer).")})
+        "continuations written by `hf-paralleldecode regenerate` (draft_head, deer, eagle3).")})
     head_attention: str = field(default="tree_causal", metadata={"help": "draft_head: 'tree_causal' or 'block_bidirectional'."})
     head_num_hidden_layers: int = field(default=1, metadata={"help": "draft_head: layers of the new head."})
     head_block_size: int = field(default=16, metadata={"help": "draft_head: drafted positions per block."})
@@ -55,6 +56,12 @@ class ScriptArguments:
         "deer: copy the target's first layers, embeddings and LM head into the new drafter (block_causal).")})
     init_drafter: str | None = field(default=None, metadata={"help": (
         "deer: start from this saved DiffusionDrafter (e.g. stage 1's output for stage 2, or a converted dLLM).")})
+    eagle3_num_hidden_layers: int = field(default=1, metadata={"help": "eagle3: decoder layers of a new drafter."})
+    eagle3_target_layer_ids: list[int] | None = field(default=None, metadata={"help": (
+        "eagle3: target layers to fuse (default: EAGLE's low / middle / high layers).")})
+    draft_vocab_size: int | None = field(default=None, metadata={"help": (
+        "eagle3: a reduced draft vocabulary of the most frequent tokens in the data (default: the full vocabulary).")})
+    init_eagle3: str | None = field(default=None, metadata={"help": "eagle3: start from this saved drafter instead."})
     drop_degenerate: bool = field(default=True, metadata={"help": "Skip responses flagged as repetitive."})
     attn_implementation: str = field(default="sdpa", metadata={"help": "Attention implementation (4D masks: sdpa or eager)."})
 
@@ -148,6 +155,23 @@ def _new_drafter(model, script, tokenizer=None):
         tokenizer=tokenizer)
 
 
+def _new_eagle3(model, script, args, dataset=None):
+    import torch
+
+    from ..drafters.eagle3 import Eagle3Drafter
+
+    drafter = Eagle3Drafter.for_target(model, num_hidden_layers=script.eagle3_num_hidden_layers,
+                                       target_layer_ids=script.eagle3_target_layer_ids,
+                                       draft_vocab_size=script.draft_vocab_size,
+                                       target_name_or_path=args.base_model_name_or_path)
+    if script.draft_vocab_size and dataset is not None:  # EAGLE's choice: the most frequent tokens of the data
+        counts = torch.zeros(drafter.config.target_vocab_size, dtype=torch.long)
+        for row in dataset:
+            counts += torch.bincount(torch.tensor(list(row["input_ids"])), minlength=counts.numel())
+        drafter.set_draft_vocab(counts.topk(script.draft_vocab_size).indices)
+    return drafter
+
+
 def _dry_run(method: str, script, args, model_path) -> dict:
     """Build what the recipe trains from configs alone (meta device) and summarise it."""
     import torch
@@ -189,6 +213,15 @@ def _dry_run(method: str, script, args, model_path) -> dict:
         summary.update(trains="the diffusion drafter only (the target is never updated or saved)", drafter=spec,
                        stage=args.stage, objective=args.objective, max_anchors=args.max_anchors,
                        span_lengths=args.span_lengths)
+    elif method == "eagle3":
+        with torch.device("meta"):
+            drafter = _new_eagle3(target, script, args)
+        trainable = count(drafter)
+        c = drafter.config
+        summary.update(trains="the EAGLE-3 drafter only (the target is frozen and never saved)",
+                       drafter=dict(num_hidden_layers=c.num_hidden_layers, target_layer_ids=list(c.target_layer_ids),
+                                    draft_vocab_size=c.draft_vocab_size, parameters=trainable),
+                       ttt_steps=args.ttt_steps, objective=args.objective)
     else:
         trainable = count(target)
         summary.update(trains="the whole model", block_size=getattr(args, "block_size", None))
@@ -254,6 +287,14 @@ def train_main(argv: list[str]) -> int:
         else:
             head = _new_head(model, script, args)
         trainer = trainer_cls(model=head.train(), args=args, target_model=model, train_dataset=dataset)
+    elif method == "eagle3":
+        from ..drafters.loading import load_drafter
+        from .regenerate import load_regenerated
+
+        dataset = load_regenerated(script.trajectories, tokenizer=tokenizer)
+        drafter = load_drafter(script.init_eagle3, cache=False) if script.init_eagle3 else \
+            _new_eagle3(model, script, args, dataset)
+        trainer = trainer_cls(model=drafter.train(), args=args, target_model=model, train_dataset=dataset)
     elif method == "deer":
         from ..drafters.diffusion import DiffusionDrafter
         from .regenerate import load_regenerated

@@ -1,0 +1,136 @@
+"""EAGLE-3 distillation with training-time test, in trl style: ``Eagle3DistillationConfig`` / ``Eagle3DistillationTrainer``.
+
+Per batch (EAGLE-3, "training-time test")
+    * the frozen target runs once without gradients over ``prompt + regenerated response``: its logits
+      are the teachers, its tapped layers (low / middle / high) the fused features ``g``;
+    * step 0 feeds every slot ``(g_t, x_{t+1})`` at position ``t`` under a causal mask: slot ``t``
+      predicts ``x_{t+2}`` (teacher: the target's distribution at ``t + 1``);
+    * step ``j = 1 .. ttt_steps - 1`` feeds the drafter *its own* output state of step ``j - 1`` with
+      the token ``j`` further on (``x_{t+1+j}``, at position ``t + j``), seeing the step-0 slots up to
+      its anchor and its own earlier steps (:func:`~hf_paralleldecode.drafters.eagle3.ttt_step_mask`):
+      exactly what a depth-``j + 1`` tree node sees at inference, with the same forward;
+    * loss: :func:`~hf_paralleldecode.training.losses.draft_distillation_loss` over the draft
+      vocabulary (the teacher restricted to it), step ``j`` weighted by ``step_loss_decay ** j``,
+      only where the predicted token is in the response; divided by the optimizer step's total weight.
+
+Only the drafter trains and is saved; the target is never updated or saved.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers import TrainingArguments
+
+from ..compat import DynamicCache
+from ..decoding.target import HiddenStateTaps
+from ..drafters.eagle3 import ttt_step_mask
+from .draft_head import DrafterTrainer
+from .losses import DISTILLATION_OBJECTIVES, draft_distillation_loss
+from .trajectories import check_token_ids
+
+__all__ = ["Eagle3DistillationConfig", "Eagle3DistillationTrainer", "Eagle3Collator"]
+
+
+@dataclass
+class Eagle3DistillationConfig(TrainingArguments):
+    ttt_steps: int = field(default=3, metadata={"help": (
+        "Training-time test steps: step j feeds the drafter its own output of step j-1 (EAGLE-3; 1 = no TTT).")})
+    step_loss_decay: float = field(default=1.0, metadata={"help": "Weight of TTT step j: step_loss_decay ** j."})
+    objective: str = field(default="forward_kl", metadata={"help": f"Loss, one of {DISTILLATION_OBJECTIVES}."})
+    kd_temperature: float = field(default=1.0, metadata={"help": "T_KD of the KL objectives (the loss carries T^2)."})
+    base_model_name_or_path: str | None = field(default=None, metadata={"help": "The target, for the model card."})
+    remove_unused_columns: bool = field(default=False, metadata={"help": "Keep the data columns for the collator."})
+
+    def __post_init__(self):
+        super().__post_init__()
+        if isinstance(self.ttt_steps, bool) or not isinstance(self.ttt_steps, int) or self.ttt_steps < 1:
+            raise ValueError(f"ttt_steps must be an integer >= 1, got {self.ttt_steps!r}.")
+        if not 0 < self.step_loss_decay <= 1:
+            raise ValueError(f"step_loss_decay must be in (0, 1], got {self.step_loss_decay}.")
+        if self.objective not in DISTILLATION_OBJECTIVES:
+            raise ValueError(f"objective must be one of {DISTILLATION_OBJECTIVES}, got {self.objective!r}.")
+        if self.kd_temperature <= 0:
+            raise ValueError(f"kd_temperature must be > 0, got {self.kd_temperature}.")
+        if self.remove_unused_columns:
+            raise ValueError("remove_unused_columns must stay False: the collator needs the data columns.")
+
+
+class Eagle3Collator:
+    """Right-pads ``input_ids`` and weights every (slot, TTT step): ``weights`` ``[B, T - 1, ttt_steps]`` is
+    ``step_loss_decay ** j`` where slot ``t`` at step ``j`` predicts a response token (``t + 2 + j``), else 0."""
+
+    def __init__(self, ttt_steps: int = 3, step_loss_decay: float = 1.0, pad_token_id: int = 0):
+        self.steps, self.decay, self.pad = ttt_steps, step_loss_decay, pad_token_id
+
+    def __call__(self, rows):
+        for r in rows:
+            if "input_ids" not in r or "prompt_ids" not in r:
+                raise ValueError("EAGLE-3 training rows need `input_ids` and `prompt_ids` (from `regenerate`).")
+        T = max(len(r["input_ids"]) for r in rows)
+        ids = torch.full((len(rows), T), self.pad, dtype=torch.long)
+        mask = torch.zeros(len(rows), T, dtype=torch.long)
+        weights = torch.zeros(len(rows), max(T - 1, 1), self.steps)
+        t = torch.arange(max(T - 1, 1))[:, None]
+        j = torch.arange(self.steps)[None]
+        for b, r in enumerate(rows):
+            n, p = len(r["input_ids"]), len(r["prompt_ids"])
+            ids[b, :n] = torch.tensor(list(r["input_ids"]), dtype=torch.long)
+            mask[b, :n] = 1
+            predicted = t + 2 + j
+            weights[b] = ((predicted < n) & (predicted >= p)).float() * self.decay ** j.float()
+        return dict(input_ids=ids, attention_mask=mask, weights=weights)
+
+
+class Eagle3DistillationTrainer(DrafterTrainer):
+    """Trains an :class:`~hf_paralleldecode.Eagle3Drafter` (``model``) against a frozen ``target_model``."""
+
+    def __init__(self, model=None, args=None, target_model=None, data_collator=None, **kwargs):
+        if target_model is None:
+            raise ValueError("Eagle3DistillationTrainer needs `target_model=` (the frozen model the drafter drafts for).")
+        model.check_target(target_model)
+        data = kwargs.get("train_dataset")
+        if data is not None:
+            if len(data) == 0:
+                raise ValueError("train_dataset is empty: regenerate the target's continuations first.")
+            check_token_ids(data, target_model.get_output_embeddings().weight.shape[0], "train_dataset")
+        if data_collator is None and args is not None:
+            pad = target_model.generation_config.pad_token_id
+            data_collator = Eagle3Collator(args.ttt_steps, args.step_loss_decay, pad if pad is not None else 0)
+        super().__init__(model=model, args=args, data_collator=data_collator, **kwargs)
+        self.target = target_model.to(self.args.device).eval().requires_grad_(False)
+        self.accelerator.unwrap_model(self.model).bind(self.target)
+        self._taps = HiddenStateTaps(self.target, model.config.target_layer_ids)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        drafter = self.accelerator.unwrap_model(model)
+        ids, attn, weights = inputs["input_ids"], inputs["attention_mask"], inputs["weights"]
+        B, T = ids.shape
+        S = T - 1  # slots t = 0 .. T - 2
+        device = ids.device
+        with torch.no_grad():
+            teacher = self.target(input_ids=ids, attention_mask=attn).logits  # [B, T, V]
+            feats = self._taps.features()[:, :S]  # g_t
+        draft_ids = drafter.draft_token_ids().to(device)
+        valid = attn[:, :S].bool()
+        context = torch.ones(S, S, dtype=torch.bool, device=device).tril()[None] & valid[:, None, :]
+        context |= torch.eye(S, dtype=torch.bool, device=device)[None]
+        cache = DynamicCache()
+        hidden = drafter.fuse(feats)
+        t = torch.arange(S, device=device)
+        loss = hidden.new_zeros((), dtype=torch.float32)
+        agree, total = hidden.new_zeros((), dtype=torch.float32), weights.sum().clamp(min=1e-12)
+        denom = num_items_in_batch if num_items_in_batch is not None else total
+        for j in range(self.args.ttt_steps):
+            tok = ids.gather(1, (t + 1 + j).clamp(max=T - 1)[None].expand(B, -1))
+            hidden, logits = model(drafter.embed(tok), hidden, (t + j)[None].expand(B, -1), ttt_step_mask(context, j),
+                                   cache)
+            w = weights[:, :S, j].to(device)
+            teach = teacher[:, (t + 1 + j).clamp(max=T - 1)][..., draft_ids]  # [B, S, Vd]
+            loss = loss + draft_distillation_loss(logits.float(), teach.float(), w, self.args.objective,
+                                                  self.args.kd_temperature, num_items_in_batch=denom)
+            agree = agree + ((logits.detach().argmax(-1) == teach.argmax(-1)).float() * w).sum()
+        self._metrics["draft_agreement"].append(float(agree / total))
+        loss = self._across_processes(loss, num_items_in_batch)
+        return (loss, {"draft_agreement": agree.detach()}) if return_outputs else loss
