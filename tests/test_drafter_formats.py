@@ -272,3 +272,32 @@ def test_speculators_export_needs_a_verifier_that_loads(tmp_path):
     export_drafter(head, tmp_path / "c", format="speculators", verifier=loaded)  # the model object itself
     verifier = json.loads((tmp_path / "c" / "config.json").read_text())["speculators_config"]["verifier"]
     assert verifier["architectures"] == ["Qwen3ForCausalLM"]
+
+
+@pytest.mark.slow
+def test_an_imported_dflash_head_samples_like_stock(tmp_path):
+    """Rejection sampling with an imported (z-lab layout) DFlash head's q: distributed as stock sampling."""
+    from test_sampling import chi_square_two_sample, outcomes
+
+    vocab, rows = 5, 4000
+    model = hfpd.enable(tiny_model("llama", vocab_size=vocab, initializer_range=0.05))
+    torch.manual_seed(0)
+    head = DraftHead.for_target(model, attention="block_bidirectional", block_size=3)
+    _zlab_files(head, tmp_path / "zlab", nested=True, causal_head=False)
+    ids = torch.tensor([[3, 4, 3, 4, 3]]).repeat(rows, 1)
+    kwargs = dict(input_ids=ids, max_new_tokens=3, do_sample=True, eos_token_id=None)
+    torch.manual_seed(0)
+    stock = model.generate(**kwargs)
+    torch.manual_seed(1)
+    ours = model.generate(**kwargs, decoding="speculative", drafter=str(tmp_path / "zlab"), tree_budget=6,
+                          tree_width=2, return_dict_in_generate=True)
+    assert ours.tokens_per_forward > 1.05, "multi-token acceptance must happen for the test to mean anything"
+    p = chi_square_two_sample(outcomes(stock, 5), outcomes(ours.sequences, 5), vocab**3)
+    assert p > 1e-3, f"sampled distribution differs from stock sampling (p={p:.2e})"
+
+
+def test_tree_causal_export_says_what_is_lost(tmp_path, caplog):
+    model = enabled("qwen3")
+    with caplog.at_level("WARNING"):
+        export_drafter(_head(model, "tree_causal"), tmp_path / "d", format="dflash")
+    assert "causal chain" in caplog.text and "branch conditioning" in caplog.text

@@ -55,6 +55,7 @@ What is lost
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import torch
@@ -63,6 +64,8 @@ from safetensors.torch import save_file
 from .formats import PROJECT_KEY
 
 __all__ = ["export_drafter", "export_draft_head", "EXPORT_FORMATS", "EAGLE3_EXPORT_FORMATS"]
+
+logger = logging.getLogger(__name__)
 
 EXPORT_FORMATS = ("transformers", "speculators", "dflash")
 EAGLE3_EXPORT_FORMATS = ("speculators", "eagle3")
@@ -237,6 +240,11 @@ def export_draft_head(head, directory, format: str = "transformers", verifier=No
             "head's mask. Export it with format='speculators' or 'dflash' (a causal chain), or run it "
             "with decoding='speculative' here."
         )
+    if c.attention == "tree_causal":
+        logger.warning(
+            "Exporting a tree_causal head to %r: other engines run it as a causal chain of MASK slots "
+            "([anchor, MASK, MASK, ...]); depth 1 drafts as here, deeper positions lose the branch conditioning "
+            "(expect a shorter acceptance length there). It reads back here as a tree_causal head.", format)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     dtype = head.dtype
