@@ -149,3 +149,18 @@ def test_shipped_draft_heads_load_by_alias_and_decode_the_embedded_model_lossles
     out = model.generate(**kwargs, decoding="speculative", drafter=head, tree_budget=8, return_dict_in_generate=True)
     assert torch.equal(out.sequences, ref)
     assert out.stats["mean_accepted_length"] > 1.5  # a trained head drafts tokens the model accepts
+
+
+def test_shipped_eagle3_drafter_loads_by_alias_and_decodes_the_embedded_model_losslessly():
+    model, tokenizer = hfpd.load_default_model()
+    drafter = hfpd.load_drafter("default-eagle3")
+    assert isinstance(drafter, hfpd.Eagle3Drafter) and drafter.config.target_name_or_path == "stdlib-coder-8m"
+    tokenizer.padding_side = "left"
+    enc = tokenizer(["def parse_args(argv):\n    ", "class Config:\n    def __init__(self"], return_tensors="pt",
+                    padding=True)
+    kwargs = dict(**enc, max_new_tokens=48, do_sample=False)
+    ref = model.generate(**kwargs, decoding="stock")
+    out = model.generate(**kwargs, decoding="speculative", drafter="default-eagle3", tree_budget=8,
+                         return_dict_in_generate=True)
+    assert torch.equal(out.sequences, ref)
+    assert out.draft_stats.tau > 1.5  # a trained drafter drafts tokens the model accepts
