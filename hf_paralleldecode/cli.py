@@ -272,13 +272,17 @@ def _add_data_args(p) -> None:
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--threads", type=POSITIVE, default=None)
+    p.add_argument("--chat-template", action=argparse.BooleanOptionalAction, default=None,
+                   help="apply the tokenizer's chat template with the generation prompt (default: for "
+                        "conversations, i.e. message lists; plain text stays raw, with a warning for a chat "
+                        "tokenizer); --no-chat-template keeps raw text")
 
 
 def _regenerate(args) -> int:
     from .prompts import read_prompts
     from .training.regenerate import regenerate
 
-    prompts = read_prompts(args.prompts, args.prompt_column)  # bad input fails before the model loads
+    prompts = read_prompts(args.prompts, args.prompt_column, conversations=True)  # fails before the model loads
     if args.response_column:  # the file is read once: both columns go on as a dataset
         import datasets
 
@@ -288,7 +292,7 @@ def _regenerate(args) -> int:
     ds = regenerate(model, tokenizer, prompts, args.output_dir, max_new_tokens=args.max_new_tokens,
                     batch_size=args.batch_size, prompt_column=args.prompt_column, do_sample=args.do_sample,
                     temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                    response_column=args.response_column)
+                    response_column=args.response_column, chat_template=args.chat_template)
     tokens = sum(len(r) for r in ds["response_ids"])
     what = f"'{args.response_column}' text" if args.response_column else "regenerated"
     print(f"{len(ds)} prompts, {tokens} {what} tokens in {args.output_dir}")
@@ -300,11 +304,12 @@ def _collect(args) -> int:
     from .prompts import read_prompts
     from .training.trajectories import collect_trajectories
 
-    prompts = read_prompts(args.prompts, args.prompt_column)  # bad input fails before the model loads
+    prompts = read_prompts(args.prompts, args.prompt_column, conversations=True)  # fails before the model loads
     model, tokenizer, _ = _load(args)
     ds = collect_trajectories(model, tokenizer, prompts, args.output_dir, block_size=args.block_size,
                               max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
-                              prompt_column=args.prompt_column, max_repeat=args.max_repeat or None, seed=args.seed)
+                              prompt_column=args.prompt_column, max_repeat=args.max_repeat or None, seed=args.seed,
+                              chat_template=args.chat_template)
     blocks = sum(len(t) for t in ds["trajectories"])
     print(f"{len(ds)} prompts, {blocks} complete blocks of {args.block_size} tokens in {args.output_dir}")
     return 0

@@ -7,6 +7,10 @@ Accepted sources: a ``datasets.Dataset``, a list of strings, or a file:
 * ``.parquet``: a table with a ``column`` column;
 * ``.txt``: prompts separated by blank lines.
 
+With ``conversations=True`` (``collect`` and ``regenerate``) a row may also be a conversation: a
+non-empty list of ``{"role": ..., "content": ...}`` messages (a ``messages`` column, or a JSONL file
+whose lines are message lists); :func:`chat_prompts` turns the rows into the text the model sees.
+
 Errors name the file and the fix: a missing file, an unsupported suffix, a missing column (the
 columns that exist are listed), an empty file, a row that is not a non-empty string.
 """
@@ -17,7 +21,7 @@ import json
 import os
 from pathlib import Path
 
-__all__ = ["read_prompts", "PROMPT_FORMATS"]
+__all__ = ["read_prompts", "chat_prompts", "is_conversation", "PROMPT_FORMATS"]
 
 PROMPT_FORMATS = (".jsonl", ".json", ".parquet", ".txt")
 
@@ -63,8 +67,15 @@ def _rows_from_file(path: Path, column: str) -> list:
     return rows
 
 
-def read_prompts(source, column: str = "prompt") -> list[str]:
-    """The prompts of ``source`` (see the module docstring) as a list of non-empty strings."""
+def is_conversation(row) -> bool:
+    """A non-empty list of ``{"role": str, "content": str}`` messages."""
+    return isinstance(row, list) and bool(row) and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in row)
+
+
+def read_prompts(source, column: str = "prompt", conversations: bool = False) -> list:
+    """The prompts of ``source`` (see the module docstring) as a list of non-empty strings (and, with
+    ``conversations=True``, of message lists)."""
     where = "the prompts"
     if isinstance(source, (str, os.PathLike)):
         where = str(source)
@@ -81,7 +92,40 @@ def read_prompts(source, column: str = "prompt") -> list[str]:
         rows = source[column]
     if not rows:
         raise ValueError(f"No prompts in {where} (it is empty).")
-    bad = [i for i, p in enumerate(rows) if not isinstance(p, str) or not p]
+    bad = [i for i, p in enumerate(rows) if not (isinstance(p, str) and p) and not (conversations and is_conversation(p))]
     if bad:
-        raise ValueError(f"Prompts must be non-empty strings; rows {bad[:5]} of {where} are not.")
+        what = "non-empty strings or conversations (lists of {'role', 'content'} messages)" if conversations else \
+            "non-empty strings"
+        raise ValueError(f"Prompts must be {what}; rows {bad[:5]} of {where} are not.")
     return list(rows)
+
+
+def chat_prompts(tokenizer, rows: list, chat_template: bool | None = None) -> tuple[list[str], str]:
+    """The text the model sees for each prompt row, and the format used (``"chat_template"`` or ``"raw"``).
+
+    ``chat_template``: ``True`` applies the tokenizer's chat template with the generation prompt to every
+    row (a plain string becomes one user message); ``False`` keeps raw text (conversations are refused);
+    ``None`` (default) applies it when the rows hold conversations, and keeps plain strings raw, with a
+    warning when the tokenizer has a chat template (a chat model sees that template at inference).
+    Templated text already holds the template's special tokens: encode it with ``add_special_tokens=False``.
+    """
+    import warnings
+
+    has_template = bool(getattr(tokenizer, "chat_template", None))
+    convs = any(is_conversation(r) for r in rows)
+    if chat_template is False and convs:
+        raise ValueError("The prompts hold conversations (message lists), which need a chat template: drop "
+                         "chat_template=False (--no-chat-template), or give plain text prompts.")
+    use = chat_template if chat_template is not None else convs
+    if use and not has_template:
+        raise ValueError("The prompts need a chat template (conversations, or chat_template=True / --chat-template), "
+                         "but this tokenizer has none. Give plain text prompts, or use the chat model's tokenizer.")
+    if not use:
+        if has_template:
+            warnings.warn("This tokenizer has a chat template, and the prompts are collected as raw text: a chat "
+                          "model sees its template at inference. Pass chat_template=True (--chat-template) to collect "
+                          "data in that format.", UserWarning, stacklevel=2)
+        return list(rows), "raw"
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": r}] if isinstance(r, str) else r,
+                                           tokenize=False, add_generation_prompt=True) for r in rows]
+    return texts, "chat_template"

@@ -264,7 +264,8 @@ def _eagle3_settings(fmt: DrafterFormat, c: dict, folder, tensors: dict) -> dict
         if layers is None:
             raise ValueError(f"{folder}: this {fmt.name} drafter does not record its tapped layers "
                              "(eagle_aux_hidden_state_layer_ids); EAGLE's default depends on the target's layer count. "
-                             "Pass target_layer_ids= (output of layer i) to load_drafter.")
+                             "Add eagle_config.eagle_aux_hidden_state_layer_ids (output of layer i, as SpecForge "
+                             "writes them) to its config.json.")
         taps = [1, layers // 2 - 1, layers - 4]  # EAGLE's default: hidden-state indices 2, L // 2, L - 3
     draft_vocab = int(c.get("draft_vocab_size") or tensors.get("lm_head.weight", torch.empty(0)).shape[0] or vocab)
     if "t2d" in tensors:

@@ -27,8 +27,10 @@ import os
 
 import torch
 
+from ..prompts import chat_prompts
 from .trajectories import (
     check_ints,
+    encode_prompts,
     load_shards,
     plain_generation,
     plain_generation_config,
@@ -55,8 +57,14 @@ def regenerate(
     seed: int = 0,
     progress: bool = True,
     response_column: str | None = None,
+    chat_template: bool | None = None,
 ):
     """Write the target's continuations of ``prompts`` to ``output_dir`` (resumable); return the dataset.
+
+    ``prompts`` may hold conversations (message lists); ``chat_template`` decides whether the tokenizer's
+    chat template is applied with the generation prompt (:func:`~hf_paralleldecode.prompts.chat_prompts`:
+    by default for conversations, with a warning for plain text and a chat tokenizer). The choice is
+    recorded as ``prompt_format`` in the collection config.
 
     Sampling is reproducible: each chunk seeds torch with ``seed + its first prompt id``, so a rerun
     with the same ``batch_size`` and number of processes (a resumed run included: a lost shard's
@@ -65,7 +73,8 @@ def regenerate(
     check_ints(max_new_tokens=(max_new_tokens, 1), batch_size=(batch_size, 1))
     if not do_sample and sampling_given(temperature, top_p, top_k):
         raise ValueError("temperature / top_p / top_k are sampling settings: pass do_sample=True with them.")
-    texts = read_prompts(prompts, prompt_column)
+    texts, prompt_format = chat_prompts(tokenizer, read_prompts(prompts, prompt_column, conversations=True),
+                                        chat_template)
     if response_column is not None:
         if do_sample or sampling_given(temperature, top_p, top_k):
             raise ValueError("response_column takes the continuations from the data: sampling settings do not apply.")
@@ -76,19 +85,21 @@ def regenerate(
     generation, ignored = plain_generation_config(model, do_sample=do_sample, **sampling)
     config = dict(kind="regenerated", ignored_generation_config=ignored, max_new_tokens=max_new_tokens, do_sample=do_sample, seed=seed,
                   num_prompts=len(texts), model=getattr(model.config, "name_or_path", "") or type(model).__name__,
-                  response_source=f"text:{response_column}" if response_column else "model", **sampling)
+                  response_source=f"text:{response_column}" if response_column else "model",
+                  prompt_format=prompt_format, **sampling)
 
     def text_rows(ids):
         rows = []
         for pid in ids:
-            prompt_ids = tokenizer(texts[pid])["input_ids"]
+            prompt_ids = encode_prompts(tokenizer, [texts[pid]], prompt_format)["input_ids"][0]
             response = tokenizer(responses[pid], add_special_tokens=False)["input_ids"][:max_new_tokens]
             rows.append(dict(prompt_id=pid, prompt=texts[pid], prompt_ids=prompt_ids, response_ids=response,
                              input_ids=prompt_ids + response))
         return rows
 
     def make_rows(ids):
-        enc = tokenizer([texts[i] for i in ids], return_tensors="pt", padding=True).to(model.device)
+        enc = encode_prompts(tokenizer, [texts[i] for i in ids], prompt_format, return_tensors="pt",
+                             padding=True).to(model.device)
         torch.manual_seed(seed + ids[0])
         with torch.no_grad(), plain_generation(model, generation):
             seqs = model.generate(**enc, max_new_tokens=max_new_tokens)

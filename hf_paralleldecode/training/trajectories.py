@@ -41,7 +41,7 @@ import torch
 from ..compat import GENERATION_CONFIG_BOOKKEEPING
 from ..decoding.base import decode
 from ..decoding.jacobi import JacobiProposer
-from ..prompts import read_prompts
+from ..prompts import chat_prompts, read_prompts
 
 logger = logging.getLogger(__name__)
 
@@ -118,19 +118,25 @@ def collect_trajectories(
     max_repeat: int | None = 10,
     seed: int = 0,
     progress: bool = True,
+    chat_template: bool | None = None,
 ):
     """Collect Jacobi trajectories for ``prompts`` into ``output_dir`` (resumable, data-parallel under
-    ``accelerate launch``: see :func:`run_sharded`); return the dataset."""
+    ``accelerate launch``: see :func:`run_sharded`); return the dataset.
+
+    ``prompts`` may hold conversations (message lists); ``chat_template`` decides whether the tokenizer's
+    chat template is applied (:func:`~hf_paralleldecode.prompts.chat_prompts`); the choice is recorded
+    as ``prompt_format`` in the collection config."""
     check_ints(block_size=(block_size, 2), max_new_tokens=(max_new_tokens, 1), batch_size=(batch_size, 1))
-    texts = read_prompts(prompts, prompt_column)
+    texts, prompt_format = chat_prompts(tokenizer, read_prompts(prompts, prompt_column, conversations=True),
+                                        chat_template)
     generation, ignored = plain_generation_config(model, do_sample=False)
     config = dict(block_size=block_size, max_new_tokens=max_new_tokens, seed=seed, num_prompts=len(texts),
                   model=getattr(model.config, "name_or_path", "") or type(model).__name__,
-                  ignored_generation_config=ignored)
+                  ignored_generation_config=ignored, prompt_format=prompt_format)
     out = run_sharded(
         texts, output_dir, config, batch_size, progress, "trajectories",
         lambda ids: _collect_chunk(model, tokenizer, texts, ids, block_size, max_new_tokens, max_repeat, seed,
-                                   generation),
+                                   generation, prompt_format),
         tokenizer,
     )
     return load_trajectories(out, drop_degenerate=False)
@@ -288,8 +294,15 @@ def _read_prompts(shard: Path) -> dict[int, str]:
     return dict(zip(table.column("prompt_id").to_pylist(), table.column("prompt").to_pylist()))
 
 
-def _collect_chunk(model, tokenizer, texts, ids, block_size, max_new_tokens, max_repeat, seed, generation):
-    enc = tokenizer([texts[i] for i in ids], return_tensors="pt", padding=True).to(model.device)
+def encode_prompts(tokenizer, texts: list[str], prompt_format: str, **kwargs):
+    """Tokenize prompts; templated text already holds its special tokens (no second BOS)."""
+    return tokenizer(texts, add_special_tokens=prompt_format != "chat_template", **kwargs)
+
+
+def _collect_chunk(model, tokenizer, texts, ids, block_size, max_new_tokens, max_repeat, seed, generation,
+                   prompt_format="raw"):
+    enc = encode_prompts(tokenizer, [texts[i] for i in ids], prompt_format, return_tensors="pt",
+                         padding=True).to(model.device)
     sink: dict[int, list] = {b: [] for b in range(len(ids))}
     # one token more: the last block is iterated at full width and completed by its bonus
     with torch.no_grad(), plain_generation(model, generation):
