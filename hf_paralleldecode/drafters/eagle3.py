@@ -510,7 +510,7 @@ class Eagle3State(DrafterState):
         roots = run.log.tokens[run.rows, 0]
         nxt = torch.cat([run.prompt[run.rows, 1:], roots[:, None]], dim=1)  # x_{t+1} of every prompt position t
         self.pending = (feats, nxt, run.prompt_positions[run.rows], run.prompt_mask[run.rows].bool())
-        self._state: list[dict[int, torch.Tensor]] = [{} for _ in range(b)]  # node -> its slot's output state
+        self._buf = None  # [b, nodes, H] this step's output state of every node (see _states)
         self._slot: list[dict[int, int]] = [{} for _ in range(b)]  # node -> its block slot
 
     def _forward(self, embeds, hidden, positions, visible_new) -> tuple[torch.Tensor, torch.Tensor]:
@@ -537,39 +537,59 @@ class Eagle3State(DrafterState):
         self.pending = None
         return state[:, -1], logits[:, -1]  # the root slot is the last column of every row
 
+    def _states(self, b: int, nodes: int) -> torch.Tensor:
+        """This step's output state of every node ``[b, nodes, H]`` (grown as the trees grow)."""
+        if self._buf is None or self._buf.shape[1] < nodes or self._buf.shape[0] != b:
+            grown = torch.zeros(b, max(nodes, 2 * (0 if self._buf is None else self._buf.shape[1])),
+                                self.drafter.config.hidden_size, dtype=self.drafter.dtype, device=self.slots.valid.device)
+            if self._buf is not None and self._buf.shape[0] == b:
+                grown[:, : self._buf.shape[1]] = self._buf
+            self._buf = grown
+        return self._buf
+
     def expand(self, builders, wanted, roots, root_pos) -> torch.Tensor:
         b = len(builders)
         device = roots.device
         if any(0 in w for w in wanted):  # the first wave: the root slots (and the slots committed before them)
-            state, logits = self._feed_pending()
-            out = []
-            for i, nodes in enumerate(wanted):
-                self._state[i][0] = state[i]
-                out.extend(logits[i] for _ in nodes)
             assert all(nodes == [0] for nodes in wanted if nodes)
-            return self.drafter.target_logits(torch.stack(out), self.vocab)
+            state, logits = self._feed_pending()
+            self._states(b, max(len(bld.tokens) for bld in builders) + 1)[:, 0] = state
+            rows = torch.tensor([i for i, nodes in enumerate(wanted) if nodes], dtype=torch.long, device=device)
+            return self.drafter.target_logits(logits[rows], self.vocab)
         s = max(len(w) for w in wanted)
         base = self.block
+        # host lists first, then one tensor write each (a wave holds up to tree_budget nodes)
+        ri, ki, toks, parents, nodes_ids, depths, vr, vq, vk = [], [], [], [], [], [], [], [], []
+        for i, nodes in enumerate(wanted):
+            bld, slot = builders[i], self._slot[i]
+            for k, v in enumerate(nodes):
+                ri.append(i)
+                ki.append(k)
+                toks.append(bld.tokens[v])
+                parents.append(bld.parents[v])
+                nodes_ids.append(v)
+                depths.append(bld.depth[v])
+                for a in bld.path(v)[:-1]:  # ancestors below the root (the root slot is context)
+                    vr.append(i)
+                    vq.append(k)
+                    vk.append(slot[a])
+                slot[v] = base + k
+        ri_t, ki_t = torch.tensor(ri, device=device), torch.tensor(ki, device=device)
+        buf = self._states(b, max(len(bld.tokens) for bld in builders) + 1)
         tokens = torch.zeros(b, s, dtype=torch.long, device=device)
+        tokens[ri_t, ki_t] = torch.tensor(toks, device=device)
         hidden = torch.zeros(b, s, self.drafter.config.hidden_size, dtype=self.drafter.dtype, device=device)
+        hidden[ri_t, ki_t] = buf[ri_t, torch.tensor(parents, device=device)]
         pos = root_pos[:, None].repeat(1, s)
+        pos[ri_t, ki_t] = root_pos[ri_t] + torch.tensor(depths, device=device) - 1
         visible = torch.zeros(b, s, base + s, dtype=torch.bool, device=device)
         visible[:, torch.arange(s), base + torch.arange(s)] = True  # every slot sees itself
-        for i, nodes in enumerate(wanted):
-            bld = builders[i]
-            for k, v in enumerate(nodes):
-                tokens[i, k] = bld.tokens[v]
-                hidden[i, k] = self._state[i][bld.parents[v]]
-                pos[i, k] = root_pos[i] + bld.depth[v] - 1
-                visible[i, k, [self._slot[i][a] for a in bld.path(v)[:-1]]] = True  # ancestors below the root
-                self._slot[i][v] = base + k
+        if vr:
+            visible[torch.tensor(vr, device=device), torch.tensor(vq, device=device), torch.tensor(vk, device=device)] = True
         state, logits = self._forward(self.drafter.embed(tokens), hidden, pos, visible)
         self.block += s
-        for i, nodes in enumerate(wanted):
-            for k, v in enumerate(nodes):
-                self._state[i][v] = state[i, k]
-        flat = torch.stack([logits[i, k] for i, nodes in enumerate(wanted) for k in range(len(nodes))])
-        return self.drafter.target_logits(flat, self.vocab)
+        buf[ri_t, torch.tensor(nodes_ids, device=device)] = state[ri_t, ki_t]
+        return self.drafter.target_logits(logits[ri_t, ki_t], self.vocab)
 
     def update(self, tree, verdict, root_pos) -> None:
         """The committed slots of the next step: ``(g_{n+i}, committed token i)`` for the root and the accepted
@@ -590,14 +610,14 @@ class Eagle3State(DrafterState):
             self.block = 0
         if self.pending is not None:  # no row drafted this step (all at their last token): keep the context whole
             self._feed_pending()
-        for d in self._state + self._slot:
+        for d in self._slot:
             d.clear()
         if self.slots._holes_worth_compacting():
             self.slots.compact()
 
     def select(self, kept) -> None:
         self.slots.select_rows(kept)
-        self._state = [self._state[int(i)] for i in kept]
+        self._buf = None
         self._slot = [self._slot[int(i)] for i in kept]
         if self.pending is not None:
             self.pending = tuple(t[kept] for t in self.pending)

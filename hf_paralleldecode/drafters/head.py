@@ -566,27 +566,35 @@ class HeadState(DrafterState):
         device = roots.device
         s = 2 * max(len(w) for w in wanted)
         base = self.block
-        ids = torch.full((b, s), self.mask_id, dtype=torch.long, device=device)
-        pos = root_pos[:, None].repeat(1, s)
-        visible = torch.zeros(b, s, base + s, dtype=torch.bool, device=device)
-        visible[:, torch.arange(s), base + torch.arange(s)] = True  # every slot sees itself
-        query_slot: list[dict[int, int]] = [{} for _ in range(b)]
+        # host lists first, then one tensor write each (a wave holds up to tree_budget nodes)
+        ri, real, toks, depths, vr, vq, vk = [], [], [], [], [], [], []
         for i, nodes in enumerate(wanted):
             bld, slot_of = builders[i], self._slot_of[i]
             for k, v in enumerate(nodes):
-                real, query = 2 * k, 2 * k + 1
-                ids[i, real] = bld.tokens[v]
-                pos[i, real] = root_pos[i] + bld.depth[v]
-                pos[i, query] = root_pos[i] + bld.depth[v] + 1
-                ancestors = [slot_of[a] for a in [0] + bld.path(v)[:-1]] if v else []
-                for row in (real, query):
-                    visible[i, row, ancestors] = True
-                visible[i, query, base + real] = True
-                slot_of[v] = base + real
-                query_slot[i][v] = query
+                ri.append(i)
+                real.append(2 * k)
+                toks.append(bld.tokens[v])
+                depths.append(bld.depth[v])
+                for a in ([0] + bld.path(v)[:-1]) if v else []:
+                    vr += [i, i]
+                    vq += [2 * k, 2 * k + 1]
+                    vk += [slot_of[a], slot_of[a]]
+                slot_of[v] = base + 2 * k
+        ri_t, real_t = torch.tensor(ri, device=device), torch.tensor(real, device=device)
+        query_t = real_t + 1
+        depth_t = torch.tensor(depths, device=device)
+        ids = torch.full((b, s), self.mask_id, dtype=torch.long, device=device)
+        ids[ri_t, real_t] = torch.tensor(toks, device=device)
+        pos = root_pos[:, None].repeat(1, s)
+        pos[ri_t, real_t] = root_pos[ri_t] + depth_t
+        pos[ri_t, query_t] = root_pos[ri_t] + depth_t + 1
+        visible = torch.zeros(b, s, base + s, dtype=torch.bool, device=device)
+        visible[:, torch.arange(s), base + torch.arange(s)] = True  # every slot sees itself
+        visible[ri_t, query_t, base + real_t] = True  # a query sees its node
+        if vr:
+            visible[torch.tensor(vr, device=device), torch.tensor(vq, device=device), torch.tensor(vk, device=device)] = True
         hidden = self._run(ids, pos, visible)
-        return self.head.logits(torch.stack([hidden[i, query_slot[i][v]] for i, nodes in enumerate(wanted)
-                                             for v in nodes]))
+        return self.head.logits(hidden[ri_t, query_t])
 
     def update(self, tree, verdict, root_pos) -> None:
         feats = self.taps.features().to(tree.tokens.device)  # [active, nodes, F] of the verification forward
