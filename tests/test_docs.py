@@ -30,3 +30,24 @@ def test_docs_have_no_unfilled_placeholders():
     for path in DOCS.rglob("*.md"):
         prose = re.sub(r"```.*?```|`[^`]*`", "", path.read_text(), flags=re.S)  # code may name env variables
         assert not re.search(r"\b[A-Z0-9]{2,}_[A-Z0-9_]{3,}\b|\b(TBD|TODO|XXX)\b", prose), path
+
+
+def test_user_docs_speak_to_users_not_to_the_projects_history():
+    """No session, seed-paper, issue-number or commit-hash wording in the user docs (history goes to CHANGELOG.md)."""
+    words = re.compile(r"\bsessions?\b|\bthe seeds?\b|\bseed (?:paper|notes?|descriptions?)\b|\bissues? #?\d+", re.I)
+    for path in sorted(DOCS.rglob("*.md")):
+        prose = re.sub(r"```.*?```|`[^`]*`", "", path.read_text(), flags=re.S)
+        assert not words.search(prose), f"{path}: {words.search(prose).group(0)!r}"
+        hashes = [h for h in re.findall(r"\b[0-9a-f]{7,40}\b", prose) if re.search(r"[a-f]", h) and re.search(r"\d", h)]
+        assert not hashes, f"{path}: commit-hash-like words {hashes[:3]}"
+
+
+def test_readme_opens_with_the_two_commands_and_links_existing_pages():
+    readme = (DOCS.parent / "README.md").read_text()
+    first = [line for line in readme.splitlines()[:6] if line.startswith("bash ")]
+    assert first == ["bash scripts/setup.sh && hf-paralleldecode demo         "
+                     "# demo: the embedded model, stock greedy vs every decoding",
+                     "bash scripts/setup.sh dev && python3 -m pytest -q        # the test suite (what CI runs)"]
+    assert "python3 -m pytest -q" in (DOCS.parent / ".ci" / "run").read_text()
+    for link in re.findall(r"\]\((docs/[^)#]+)", readme):
+        assert (DOCS.parent / link).is_file(), link

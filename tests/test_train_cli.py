@@ -296,3 +296,32 @@ def test_the_callers_process_group_is_left_alone(monkeypatch, tmp_path, no_group
     no_group_left.init_process_group("gloo", init_method=f"file://{tmp_path / 'own'}", rank=0, world_size=1)
     assert _run_env_command_that_starts_a_group(monkeypatch, tmp_path) == 0
     assert no_group_left.is_initialized()
+
+
+def test_train_cli_eagle3_recipe_with_a_reduced_vocabulary_and_a_resumed_run(setup, tmp_path, capsys):
+    """method: eagle3 trains a drafter over the data's most frequent tokens; --resume_from_checkpoint continues a
+    run from its checkpoint (the step count goes on, it does not restart); the dry run sizes it on the meta device."""
+    from hf_paralleldecode.training.regenerate import regenerate
+
+    regen = tmp_path / "regen"
+    regenerate(tiny_model("llama"), word_tokenizer(), [f"t{5 + i} t{6 + i}" for i in range(8)], regen,
+               max_new_tokens=12, progress=False)
+    recipe = dict(method="eagle3", model_name_or_path=str(setup / "model"), trajectories=str(regen),
+                  output_dir=str(tmp_path / "e3"), draft_vocab_size=40, ttt_steps=2, per_device_train_batch_size=4,
+                  max_steps=2, learning_rate=1e-3, logging_steps=1, save_steps=1, use_cpu=True, report_to="none",
+                  seed=0)
+    path = tmp_path / "e3.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    assert cli.main(["train", "--config", str(path), "--dry-run"]) == 0
+    assert json.loads(capsys.readouterr().out)["drafter"]["draft_vocab_size"] == 40
+    assert cli.main(["train", "--config", str(path)]) == 0
+    drafter = hfpd.load_drafter(tmp_path / "e3")
+    assert isinstance(drafter, hfpd.Eagle3Drafter) and drafter.config.draft_vocab_size == 40
+    assert cli.main(["train", "--config", str(path), "--max_steps", "3",
+                     "--resume_from_checkpoint", str(tmp_path / "e3" / "checkpoint-2")]) == 0
+    state = json.loads((tmp_path / "e3" / "checkpoint-3" / "trainer_state.json").read_text())
+    assert state["global_step"] == 3 and [h["step"] for h in state["log_history"] if "loss" in h] == [1, 2, 3]
+    target = hfpd.load_model(setup / "model", drafter=tmp_path / "e3")
+    ids = torch.tensor([[5, 6, 7]])
+    assert torch.equal(target.generate(input_ids=ids, max_new_tokens=10),
+                       target.generate(input_ids=ids, max_new_tokens=10, decoding="stock"))

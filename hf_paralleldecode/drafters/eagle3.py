@@ -365,6 +365,8 @@ class Eagle3Drafter(CardSaving, Drafter, HeadPreTrainedModel):
     def set_draft_vocab(self, token_ids: torch.Tensor) -> None:
         """The draft vocabulary: ``Vd`` target token ids (e.g. the most frequent in the training data); they are
         sorted and written to ``d2t`` / ``t2d`` as EAGLE and speculators do."""
+        if self.d2t.is_meta:  # built on the meta device (a dry run): sizes only
+            return
         ids = torch.as_tensor(token_ids, dtype=torch.long).unique().sort().values
         if ids.numel() != self.config.draft_vocab_size:
             raise ValueError(f"set_draft_vocab needs {self.config.draft_vocab_size} distinct ids, got {ids.numel()}.")

@@ -310,7 +310,7 @@ def train_main(argv: list[str]) -> int:
         if len(dataset) == 0:
             raise ValueError(f"No usable trajectories in {script.trajectories}.")
         trainer = trainer_cls(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
-    trainer.train()
+    trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)  # None: from the start
     trainer.save_model(args.output_dir)
     if trainer.is_world_process_zero():
         info = dict(method=method, world_size=args.world_size, steps=trainer.state.global_step,

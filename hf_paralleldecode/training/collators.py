@@ -42,6 +42,26 @@ def _pad(seqs: list[list[int]], value: int) -> torch.Tensor:
 
 
 class ConsistencyCollator:
+    """CLLM batches: per row one complete block, one noisy state of its trajectory and the teacher state.
+
+    Rows need ``prompt_ids``, ``response_ids``, ``trajectories`` (per block, its Jacobi states) and
+    ``fixed_points`` (per block, its converged tokens), as written by ``hf-paralleldecode collect``. A row
+    missing a column, collected with another block size, or without a complete block raises ``ValueError``.
+    The block and the state are drawn at random per call (the collator's own seeded generator).
+
+    Calling it on a list of rows returns a dict of tensors: ``student_ids`` (prompt, the earlier fixed points, the
+    noisy state), ``student_len``, ``teacher_ids`` (the same with the teacher state), ``block_start`` (the position
+    whose logits predict the block's first token), ``block_mask`` ``[B, n]`` (the positions that count: past the
+    prefix the noisy state already shares with the teacher state), ``clean_ids`` / ``clean_attention_mask`` (prompt
+    + response) and ``labels`` (``clean_ids`` with ``-100`` on the prompt and padding; the trainer shifts them).
+
+    Args:
+        block_size: Jacobi block size ``n``; must equal the collection's.
+        consistency: ``"global"`` (the teacher state is the fixed point) or ``"local"`` (the next state).
+        pad_token_id: Id written into the padding.
+        seed: Seed of the collator's own random generator.
+    """
+
     def __init__(self, block_size: int, consistency: str = "global", pad_token_id: int = 0, seed: int = 0):
         if consistency not in ("global", "local"):
             raise ValueError(f"consistency must be 'global' or 'local', got {consistency!r}.")
@@ -82,6 +102,27 @@ class ConsistencyCollator:
 
 
 class ProgressiveCollator:
+    """Jacobi Forcing batches: every complete block of a row, noised by the schedule, packed with its fixed point.
+
+    Rows need the columns :class:`ConsistencyCollator` needs (``prompt_ids``, ``response_ids``, ``trajectories``,
+    ``fixed_points``); the same problems raise ``ValueError``. Per row, block ``i`` gets the target noise ratio
+    ``W[i mod window]`` of the schedule, the trajectory state nearest it becomes its noisy block, and the row is
+    packed ``[prompt][noisy_0][clean_0][noisy_1][clean_1]...`` with shared position ids per pair.
+
+    Calling it on a list of rows returns a dict of tensors: ``input_ids`` / ``position_ids`` / ``labels`` ``[B,
+    S]`` (next-token labels of the clean blocks, ``-100`` elsewhere), ``attention_mask`` (additive float mask ``[B,
+    1, S, S]``; padding sees only itself), ``noisy_index`` / ``clean_index`` ``[B, P]`` (positions of each noisy
+    token and its clean counterpart) and ``pair_mask`` ``[B, P]`` (which pairs exist).
+
+    Args:
+        block_size: Jacobi block size ``n``; must equal the collection's.
+        schedule: Noise schedule, ``"linear"``, ``"reverse"`` or ``"random"``.
+        window: Window ``w`` of the schedule.
+        mask: Attention mask, ``"noise_conditioned"`` or ``"cllm"``.
+        pad_token_id: Id written into the padding.
+        seed: Seed of the collator's own generator (the ``random`` schedule).
+    """
+
     def __init__(self, block_size: int, schedule: str = "linear", window: int = 4, mask: str = "noise_conditioned",
                  pad_token_id: int = 0, seed: int = 0):
         noise_schedule(schedule, window, 1)  # validates

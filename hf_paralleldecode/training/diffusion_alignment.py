@@ -1,6 +1,6 @@
 """Diffusion-to-AR alignment of a DEER drafter in trl style: ``DiffusionAlignmentConfig`` / ``DiffusionAlignmentTrainer``.
 
-Stages (DEER, ``shared/seeds/deer_project_page.txt``; ``stage=`` in the config)
+Stages (DEER's two alignment stages and a pretraining stage; ``stage=`` in the config)
     * ``stage=1``, AR-style continuation distillation: a row is a prompt plus the AR target's own
       answer (``hf-paralleldecode regenerate``). The answer is truncated at a random point, the
       drafter's boundary token (if it has one) is appended, and the next ``suffix_length`` tokens
@@ -51,6 +51,35 @@ STAGES = (0, 1, 2)
 
 @dataclass
 class DiffusionAlignmentConfig(TrainingArguments):
+    """Training arguments of DEER diffusion-to-AR alignment (:class:`DiffusionAlignmentTrainer`, recipe ``method: deer``).
+
+    Every ``transformers.TrainingArguments`` field, plus the fields below (the recipe keys:
+    ``docs/recipe-keys.md``). The drafter itself (layers, block size, attention, boundary token) is the
+    one passed to the trainer; in a recipe, the ``drafter_*`` / ``init_drafter`` script keys.
+    ``remove_unused_columns`` defaults to ``False`` and must stay so: the collator reads the data columns.
+
+    Args:
+        stage: ``1`` (default): AR-style continuation distillation, the masked continuation after a random
+            truncation point, uniform weights. ``2``: prefix-conditioned refinement, only the ``R`` tokens after
+            the prefix, weights ``exp(-(i-1)/gamma)``. ``0``: masked-diffusion pretraining on text.
+        max_anchors: Truncation points (blocks) sampled per row, at most. A ``block_causal`` drafter trains all
+            of them in one forward; a ``bidirectional`` one runs one sequence per anchor.
+        suffix_length: Stage 1: masked tokens after the truncation point (default: 2 x the drafter's block
+            size); stage 0: the block length (default: the block size).
+        refine_length: Stage 2: ``R``, masked tokens after the prefix (default: the drafter's block size).
+        span_lengths: Masked slots per block, drawn per batch from this list (overrides ``suffix_length`` /
+            ``refine_length``), so one drafter serves several draft depths at inference.
+        gamma: Stage 2's weight decay (default: block size / 4); stages 0 and 1 weigh uniformly.
+        objective: ``"sft"`` (default): cross-entropy on the masked tokens (the target's own answers);
+            ``"forward_kl"`` / ``"reverse_kl"``: distil the target's distributions (the trainer then needs
+            ``target_model=``).
+        kd_temperature: Temperature ``T`` of the KL objectives, > 0; the loss carries ``T^2``.
+        base_model_name_or_path: The target, recorded in the saved drafter's config when it names none.
+
+    Raises:
+        ValueError: a value outside the ranges above, or ``remove_unused_columns=True``.
+    """
+
     stage: int = field(default=1, metadata={"help": (
         "1: AR-style continuation distillation (mask the continuation); 2: prefix-conditioned refinement (mask "
         "the R tokens after the prefix, decaying weights); 0: masked-diffusion pretraining on text.")})
@@ -111,11 +140,25 @@ def stage_span(stage: int, block_size: int, suffix_length: int | None = None, re
 class DiffusionAlignmentCollator:
     """Pads rows (right), samples anchors in each answer and builds their blocks.
 
-    Rows need ``input_ids`` and ``prompt_ids`` (the answer starts after the prompt; empty for text).
-    Output: ``input_ids`` / ``attention_mask`` ``[B, T]``, ``anchors`` ``[B, A]`` (``-1`` = none),
-    ``block`` ``[B, A, Lb]`` (the block's input ids: boundary, masks, and in stage 0 the unmasked
-    tokens), ``labels`` / ``weights`` ``[B, A, L]`` for depths ``1..L`` (weight 0: past the end, not
-    masked, or no anchor).
+    Rows need ``input_ids`` and ``prompt_ids`` (the answer starts after the prompt; empty for text), as
+    written by ``hf-paralleldecode regenerate``; a row without them raises ``ValueError``. With several
+    ``span_lengths`` one span is drawn per batch.
+
+    Calling it on a list of rows returns a dict of tensors: ``input_ids`` / ``attention_mask`` ``[B, T]``,
+    ``anchors`` ``[B, A]`` (``-1`` = none), ``block`` ``[B, A, Lb]`` (the block's input ids: boundary, masks, and
+    in stage 0 the unmasked tokens), ``labels`` / ``weights`` ``[B, A, L]`` for depths ``1..L`` (weight 0: past the
+    end, not masked, or no anchor).
+
+    Args:
+        drafter_config (DiffusionDrafterConfig): The drafter's config (block size, mask and boundary token ids).
+        stage: ``0``, ``1`` or ``2`` (:class:`DiffusionAlignmentConfig`).
+        max_anchors: Truncation points sampled per row, at most.
+        suffix_length: Stage 1 (and 0) span; default from the drafter's block size.
+        refine_length: Stage 2 span ``R``; default: the drafter's block size.
+        gamma: Stage 2 weight decay; default: block size / 4.
+        pad_token_id: Id written into the padding.
+        seed: Seed of the collator's own generator (anchors, spans, stage-0 masking).
+        span_lengths: Spans to draw from, one per batch (overrides ``suffix_length`` / ``refine_length``).
     """
 
     def __init__(self, drafter_config, stage: int, max_anchors: int = 16, suffix_length: int | None = None,
@@ -209,7 +252,31 @@ def alignment_logits(drafter, input_ids, attention_mask, anchors, block, vocab: 
 
 
 class DiffusionAlignmentTrainer(DrafterTrainer):
-    """Trains a :class:`~hf_paralleldecode.DiffusionDrafter` (``model``); ``target_model`` only for KL objectives."""
+    """Trains a :class:`~hf_paralleldecode.DiffusionDrafter` (``model``); ``target_model`` only for KL objectives.
+
+    DEER's diffusion-to-AR alignment (module docstring): every sampled truncation point gets a masked
+    block laid out as the drafter drafts; the loss is
+    :func:`~hf_paralleldecode.training.diffusion_alignment_loss` on the masked tokens, divided by the
+    optimizer step's total weight (exact under gradient accumulation and data parallelism). Only the
+    drafter trains; ``save_model`` writes the drafter folder
+    (:meth:`~hf_paralleldecode.DiffusionDrafter.save_pretrained`), never the target.
+
+    Dataset columns (``hf-paralleldecode regenerate``, loaded with
+    :func:`~hf_paralleldecode.training.load_regenerated`): ``input_ids`` (prompt + the target's own
+    answer) and ``prompt_ids`` (may be empty for stage 0 on plain text). Token ids must fit the
+    vocabulary; an empty dataset is refused.
+
+    Logged (averaged over the logging interval): ``loss`` (the weighted loss over the masked tokens),
+    ``masked_accuracy`` (the weighted share of masked tokens whose top-1 prediction is the label) and
+    ``first_token_accuracy`` (the share of blocks whose first masked token is predicted right: the
+    position verification checks first), besides the Trainer's ``grad_norm`` and ``learning_rate``.
+
+    Construction: as ``transformers.Trainer``, with ``model`` a ``DiffusionDrafter``, ``args`` a
+    :class:`DiffusionAlignmentConfig` and ``target_model`` the frozen target (required by the KL
+    objectives, optional with ``"sft"``; when given, the drafter is checked against it). ``data_collator``
+    defaults to a :class:`DiffusionAlignmentCollator` built from the drafter's config and the config's
+    stage, spans, ``max_anchors``, ``gamma`` and ``seed``.
+    """
 
     def __init__(self, model=None, args=None, target_model=None, data_collator=None, **kwargs):
         from ..drafters.diffusion import DiffusionDrafter, target_vocab_size

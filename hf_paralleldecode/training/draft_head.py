@@ -45,6 +45,30 @@ __all__ = ["DraftHeadDistillationConfig", "DraftHeadDistillationTrainer", "Draft
 
 @dataclass
 class DraftHeadDistillationConfig(TrainingArguments):
+    """Training arguments of draft-head distillation (:class:`DraftHeadDistillationTrainer`, recipe ``method: draft_head``).
+
+    Every ``transformers.TrainingArguments`` field, plus the fields below (the recipe keys:
+    ``docs/recipe-keys.md``). The head itself (attention kind, layers, block size, tapped layers) is
+    described by the head passed to the trainer; in a recipe, by the ``head_*`` script keys.
+    ``remove_unused_columns`` defaults to ``False`` and must stay so: the collator reads the data columns.
+
+    Args:
+        max_anchors: Anchors (blocks) sampled per sequence, at most (an integer >= 1); every anchor of a
+            batch is trained in the same head forward.
+        objective: ``"forward_kl"`` (default; JetSpec's best), ``"reverse_kl"`` or ``"sft"`` (cross-entropy on
+            the regenerated tokens).
+        kd_temperature: Temperature ``T`` of the KL objectives, > 0; the loss carries the ``T^2`` prefactor.
+        gamma: Position-weight decay ``w_k = exp(-(k-1)/gamma)`` over the block's depths; ``None`` (default)
+            weighs every depth alike (JetSpec's causal head). DFlash uses 7 for a 16-token block.
+        loss_chunk_size: Drafted positions whose vocabulary-sized logits exist at once (an integer >= 1). The
+            loss is computed chunk by chunk, each chunk recomputed in the backward pass, so memory stays
+            bounded with a large vocabulary; the result does not depend on it.
+        base_model_name_or_path: The target, written to the head's model card.
+
+    Raises:
+        ValueError: a value outside the ranges above, or ``remove_unused_columns=True``.
+    """
+
     max_anchors: int = field(default=512, metadata={"help": "Anchors (blocks) sampled per sequence, at most."})
     objective: str = field(default="forward_kl", metadata={"help": f"Loss, one of {DISTILLATION_OBJECTIVES}."})
     kd_temperature: float = field(default=1.0, metadata={"help": "T_KD of the KL objectives (the loss carries T^2)."})
@@ -77,9 +101,20 @@ class DraftHeadDistillationConfig(TrainingArguments):
 class DraftHeadCollator:
     """Pads ``input_ids`` (right), samples anchors in each response and weights their block positions.
 
-    Rows need ``input_ids`` and ``prompt_ids`` (the response starts after the prompt). Output:
-    ``input_ids`` / ``attention_mask`` ``[B, T]``, ``anchors`` ``[B, A]`` (``-1`` = none) and
-    ``weights`` ``[B, A, block_size]`` (``w_k``, 0 past the sequence or for no anchor).
+    Rows need ``input_ids`` and ``prompt_ids`` (the response starts after the prompt), as written by
+    ``hf-paralleldecode regenerate``; a row without them raises ``ValueError``. Anchors are drawn from the
+    prompt's last token to the response's second-to-last, so every anchor predicts at least one token.
+
+    Calling it on a list of rows returns a dict of tensors: ``input_ids`` / ``attention_mask`` ``[B, T]``,
+    ``anchors`` ``[B, A]`` (``-1`` = none) and ``weights`` ``[B, A, block_size]`` (``w_k``; 0 past the sequence or
+    for no anchor).
+
+    Args:
+        block_size: Drafted positions per anchor (the head's block size).
+        max_anchors: Anchors sampled per row, at most.
+        gamma: Position-weight decay (:func:`~hf_paralleldecode.training.position_weights`); ``None`` = uniform.
+        pad_token_id: Id written into the padding.
+        seed: Seed of the collator's own generator (anchor sampling).
     """
 
     def __init__(self, block_size: int, max_anchors: int = 512, gamma: float | None = None, pad_token_id: int = 0,
@@ -157,7 +192,32 @@ class DrafterTrainer(TrainerHooks, Trainer):
 
 
 class DraftHeadDistillationTrainer(DrafterTrainer):
-    """Trains a :class:`~hf_paralleldecode.DraftHead` (``model``) against a frozen ``target_model``."""
+    """Trains a :class:`~hf_paralleldecode.DraftHead` (``model``) against a frozen ``target_model``.
+
+    JetSpec / DFlash distillation (module docstring): one no-grad forward of the target gives the teacher
+    logits and the tapped hidden states; ONE head forward covers every sampled anchor's block, laid out as
+    the drafter lays it out at inference; the loss is
+    :func:`~hf_paralleldecode.training.draft_distillation_loss` over the counted positions, divided by the
+    optimizer step's total weight (exact under gradient accumulation and data parallelism). Only the head
+    trains; ``save_model`` writes the head, its config and its card, never the target.
+
+    Dataset columns (``hf-paralleldecode regenerate`` /
+    :func:`~hf_paralleldecode.training.regenerate`, loaded with
+    :func:`~hf_paralleldecode.training.load_regenerated`): ``input_ids`` (prompt + the target's own
+    continuation) and ``prompt_ids``. Token ids must fit the target's vocabulary; an empty dataset is
+    refused.
+
+    Logged (averaged over the logging interval): ``loss`` (the weighted distillation loss: for the KL
+    objectives ``T^2`` x the mean KL per drafted position, for ``"sft"`` the mean cross-entropy) and
+    ``draft_agreement`` (the weighted share of drafted positions whose top-1 token equals the target's
+    top-1), besides the Trainer's ``grad_norm`` and ``learning_rate``.
+
+    Construction: as ``transformers.Trainer``, with ``model`` the head to train, ``args`` a
+    :class:`DraftHeadDistillationConfig` and ``target_model`` the frozen model the head drafts for (required;
+    it is moved to the training device, never wrapped by the accelerator, so every process holds a full
+    copy). ``data_collator`` defaults to a :class:`DraftHeadCollator` with the head's block size and the
+    config's ``max_anchors``, ``gamma`` and ``seed``.
+    """
 
     def __init__(self, model=None, args=None, target_model=None, data_collator=None, **kwargs):
         if target_model is None:

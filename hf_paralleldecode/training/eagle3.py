@@ -35,6 +35,26 @@ __all__ = ["Eagle3DistillationConfig", "Eagle3DistillationTrainer", "Eagle3Colla
 
 @dataclass
 class Eagle3DistillationConfig(TrainingArguments):
+    """Training arguments of EAGLE-3 distillation (:class:`Eagle3DistillationTrainer`, recipe ``method: eagle3``).
+
+    Every ``transformers.TrainingArguments`` field, plus the fields below (the recipe keys:
+    ``docs/recipe-keys.md``). The drafter itself (layers, fused target layers, draft vocabulary) is the
+    one passed to the trainer; in a recipe, the ``eagle3_*`` / ``draft_vocab_size`` / ``init_eagle3``
+    script keys. ``remove_unused_columns`` defaults to ``False`` and must stay so: the collator reads the
+    data columns.
+
+    Args:
+        ttt_steps: Training-time test steps (an integer >= 1): step ``j`` feeds the drafter its own output
+            state of step ``j - 1``, as a depth ``j + 1`` tree node sees at inference; ``1`` = no TTT.
+        step_loss_decay: Weight of step ``j``: ``step_loss_decay ** j``, in (0, 1].
+        objective: ``"forward_kl"`` (default), ``"reverse_kl"`` or ``"sft"``, over the draft vocabulary.
+        kd_temperature: Temperature ``T`` of the KL objectives, > 0; the loss carries ``T^2``.
+        base_model_name_or_path: The target, for the model card.
+
+    Raises:
+        ValueError: a value outside the ranges above, or ``remove_unused_columns=True``.
+    """
+
     ttt_steps: int = field(default=3, metadata={"help": (
         "Training-time test steps: step j feeds the drafter its own output of step j-1 (EAGLE-3; 1 = no TTT).")})
     step_loss_decay: float = field(default=1.0, metadata={"help": "Weight of TTT step j: step_loss_decay ** j."})
@@ -58,8 +78,20 @@ class Eagle3DistillationConfig(TrainingArguments):
 
 
 class Eagle3Collator:
-    """Right-pads ``input_ids`` and weights every (slot, TTT step): ``weights`` ``[B, T - 1, ttt_steps]`` is
-    ``step_loss_decay ** j`` where slot ``t`` at step ``j`` predicts a response token (``t + 2 + j``), else 0."""
+    """Right-pads ``input_ids`` and weights every (slot, TTT step).
+
+    Rows need ``input_ids`` and ``prompt_ids`` (from ``hf-paralleldecode regenerate``); a row without them
+    raises ``ValueError``. Only predictions of response tokens count.
+
+    Calling it on a list of rows returns a dict of tensors: ``input_ids`` / ``attention_mask`` ``[B, T]`` and
+    ``weights`` ``[B, T - 1, ttt_steps]``, ``step_loss_decay ** j`` where slot ``t`` at step ``j`` predicts a
+    response token (``t + 2 + j``), else 0.
+
+    Args:
+        ttt_steps: Training-time test steps.
+        step_loss_decay: Weight of step ``j``: ``step_loss_decay ** j``.
+        pad_token_id: Id written into the padding.
+    """
 
     def __init__(self, ttt_steps: int = 3, step_loss_decay: float = 1.0, pad_token_id: int = 0):
         self.steps, self.decay, self.pad = ttt_steps, step_loss_decay, pad_token_id
@@ -84,7 +116,30 @@ class Eagle3Collator:
 
 
 class Eagle3DistillationTrainer(DrafterTrainer):
-    """Trains an :class:`~hf_paralleldecode.Eagle3Drafter` (``model``) against a frozen ``target_model``."""
+    """Trains an :class:`~hf_paralleldecode.Eagle3Drafter` (``model``) against a frozen ``target_model``.
+
+    EAGLE-3 with training-time test (module docstring): one no-grad forward of the target gives the teacher
+    logits and the fused low / middle / high features; ``ttt_steps`` drafter forwards follow, each fed the
+    previous step's output states; the loss is :func:`~hf_paralleldecode.training.draft_distillation_loss`
+    over the draft vocabulary, step ``j`` weighted ``step_loss_decay ** j``, divided by the optimizer step's
+    total weight. Only the drafter trains and is saved, never the target.
+
+    Dataset columns (``hf-paralleldecode regenerate``, loaded with
+    :func:`~hf_paralleldecode.training.load_regenerated`): ``input_ids`` (prompt + the target's own
+    continuation) and ``prompt_ids``. Token ids must fit the target's vocabulary; an empty dataset is
+    refused.
+
+    Logged (averaged over the logging interval): ``loss`` (the distillation loss, a weighted mean over every
+    (position, step) pair) and ``draft_agreement`` (the weighted share of those predictions whose top-1
+    token equals the target's top-1 within the draft vocabulary, every step together), besides the
+    Trainer's ``grad_norm`` and ``learning_rate``.
+
+    Construction: as ``transformers.Trainer``, with ``model`` the drafter to train, ``args`` an
+    :class:`Eagle3DistillationConfig` and ``target_model`` the frozen model it drafts for (required; moved
+    to the training device, never wrapped by the accelerator, so every process holds a full copy).
+    ``data_collator`` defaults to an :class:`Eagle3Collator` with the config's ``ttt_steps`` and
+    ``step_loss_decay``.
+    """
 
     def __init__(self, model=None, args=None, target_model=None, data_collator=None, **kwargs):
         if target_model is None:

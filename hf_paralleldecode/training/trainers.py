@@ -74,6 +74,33 @@ class _ParallelDecodingTrainingArguments(TrainingArguments):
 
 @dataclass
 class ConsistencyConfig(_ParallelDecodingTrainingArguments):
+    """Training arguments of CLLM consistency distillation (:class:`ConsistencyTrainer`, recipe ``method: cllm``).
+
+    Every ``transformers.TrainingArguments`` field, plus the fields below (the recipe keys:
+    ``docs/recipe-keys.md``). ``remove_unused_columns`` defaults to ``False`` and must stay so: the
+    collator reads the trajectory columns.
+
+    Args:
+        block_size: Jacobi block size ``n`` (an integer >= 2). It must equal the block size the trajectories
+            were collected with (the collator refuses other rows), and is saved as the checkpoint's
+            ``jacobi`` decoding setting.
+        distance: Consistency distance: ``"forward_kl"`` (teacher to student, the CLLM paper's choice),
+            ``"reverse_kl"`` or ``"jsd"`` (generalised Jensen-Shannon).
+        beta: Mixing weight of the generalised JSD (``distance="jsd"``), in (0, 1); 0.5 is the symmetric JSD.
+        ar_weight: Weight of the AR term: the loss is ``consistency_loss + ar_weight * ar_loss``; >= 0.
+        ar_target: ``"greedy"``: the AR term is cross-entropy on the base model's greedy response (the CLLM
+            and Jacobi Forcing papers). ``"base_kl"``: forward KL from a frozen copy of the starting model,
+            which keeps the model's distribution instead of sharpening it; costs that copy (on every
+            process) and its forward.
+        base_model_name_or_path: The starting model, written to the model card and the saved decoding config
+            (``hf-paralleldecode train`` sets it).
+        consistency: ``"global"``: the teacher is the prediction on the block's fixed point; ``"local"``: on the
+            next Jacobi state of the trajectory (one more no-grad forward).
+
+    Raises:
+        ValueError: a value outside the ranges above, or ``remove_unused_columns=True``.
+    """
+
     consistency: str = field(default="global", metadata={"help": "CLLM consistency: 'global' (to the fixed point) or 'local' (to the next state)."})
 
     def __post_init__(self):
@@ -84,6 +111,38 @@ class ConsistencyConfig(_ParallelDecodingTrainingArguments):
 
 @dataclass
 class ProgressiveConsistencyConfig(_ParallelDecodingTrainingArguments):
+    """Training arguments of Jacobi Forcing (:class:`ProgressiveConsistencyTrainer`, recipe ``method: jacobi_forcing``).
+
+    Every ``transformers.TrainingArguments`` field, plus the fields below (the recipe keys:
+    ``docs/recipe-keys.md``). ``remove_unused_columns`` defaults to ``False`` and must stay so: the
+    collator reads the trajectory columns. The last four fields do not change training: they are the
+    ``jacobi_forcing`` decoding settings written with the checkpoint.
+
+    Args:
+        block_size: Jacobi block size ``n`` (an integer >= 2); must equal the block size the trajectories
+            were collected with. Saved as a decoding setting.
+        distance: Distance of the progressive consistency term: ``"forward_kl"``, ``"reverse_kl"`` or ``"jsd"``.
+        beta: Mixing weight of the generalised JSD (``distance="jsd"``), in (0, 1).
+        ar_weight: Weight ``lambda`` of the AR term: the loss is ``pc_loss + ar_weight * ar_loss``; >= 0.
+        ar_target: ``"greedy"``: cross-entropy on the clean blocks (the base model's greedy response; the
+            paper's choice). ``"base_kl"``: forward KL from a frozen copy of the starting model at the same
+            positions (one more copy of the model and one more forward per step).
+        base_model_name_or_path: The starting model, written to the model card and the saved decoding config.
+        noise_schedule: How target noise ratios are assigned to a row's blocks: ``"linear"`` (progressive,
+            the paper's best), ``"reverse"`` or ``"random"``.
+        noise_window: Window ``w`` of the schedule: block ``i`` gets ``t_i = W[i mod w]``; >= 1.
+        mask: Attention mask of the packed sequence: ``"noise_conditioned"`` (Jacobi Forcing) or ``"cllm"``
+            (noisy tokens see the clean earlier blocks).
+        num_blocks: Decoding setting saved with the model: ``K`` blocks in flight.
+        pool_size: Decoding setting saved with the model: recycled n-gram candidates per step.
+        context_matches: Decoding setting saved with the model: context n-gram continuations merged into each
+            step's tree.
+        context_tokens: Decoding setting saved with the model: tokens of each context continuation.
+
+    Raises:
+        ValueError: a value outside the ranges above, or ``remove_unused_columns=True``.
+    """
+
     noise_schedule: str = field(default="linear", metadata={"help": f"Noise schedule across blocks, one of {SCHEDULES}."})
     noise_window: int = field(default=4, metadata={"help": "Window w of the schedule: t_i = W[i mod w]."})
     mask: str = field(default="noise_conditioned", metadata={"help": f"Attention mask variant, one of {MASKS}."})
@@ -209,6 +268,37 @@ class _ParallelDecodingTrainer(TrainerHooks, Trainer):
 
 
 class ConsistencyTrainer(_ParallelDecodingTrainer):
+    """CLLM consistency distillation: trains the whole model to map a noisy Jacobi state to its fixed point.
+
+    Kou et al., *CLLMs: Consistency Large Language Models*, ICML 2024. Per row,
+    :class:`~hf_paralleldecode.training.ConsistencyCollator` picks one complete block and one state of its
+    Jacobi trajectory. Each step runs ``model`` on the student sequence (prompt, the earlier blocks'
+    fixed points, the noisy state) and on the clean ``prompt + response``; in global consistency the
+    clean forward's detached logits over the block are the teacher, in local consistency a third,
+    no-grad forward on the next state is. The loss is ``consistency_loss + ar_weight * ar_loss``, each
+    term normalised by its count over the whole optimizer step (exact under gradient accumulation and
+    data parallelism).
+
+    Dataset columns (``hf-paralleldecode collect``, or
+    :func:`~hf_paralleldecode.training.collect_trajectories`; load a collection with
+    :func:`~hf_paralleldecode.training.load_trajectories`): ``prompt_ids``, ``response_ids``,
+    ``trajectories`` (per block, the list of Jacobi states) and ``fixed_points`` (per block, its converged
+    ``n`` tokens). A row needs at least one complete block.
+
+    Logged (each averaged over the logging interval; ``eval_`` prefix in evaluation): ``loss`` (the total
+    above), ``consistency_loss`` (mean divergence per counted block position: positions past the prefix the
+    noisy state already shares with the teacher's) and ``ar_loss`` (mean cross-entropy per response token;
+    with ``ar_target="base_kl"``, the mean KL to the frozen starting model), besides the Trainer's
+    ``grad_norm`` and ``learning_rate``.
+
+    Saving writes the model, ``parallel_decoding_config.json`` (``decoding="jacobi"`` with ``block_size``) and a
+    model card naming the base model and the citation.
+
+    Construction: as ``transformers.Trainer``, with ``model`` the causal LM to train (every parameter trains),
+    ``args`` a :class:`ConsistencyConfig` and ``train_dataset`` the trajectories; ``data_collator`` defaults to
+    ``ConsistencyCollator(args.block_size, args.consistency, seed=args.seed)``.
+    """
+
     method = "cllm"
 
     def _default_collator(self, config):
@@ -243,6 +333,33 @@ class ConsistencyTrainer(_ParallelDecodingTrainer):
 
 
 class ProgressiveConsistencyTrainer(_ParallelDecodingTrainer):
+    """Jacobi Forcing: trains the whole model to predict each block from a progressively noisier context.
+
+    Hu et al., *Fast and Accurate Causal Parallel Decoding using Jacobi Forcing*, 2025. Per row,
+    :class:`~hf_paralleldecode.training.ProgressiveCollator` gives every complete block a target noise
+    ratio from the schedule, takes the trajectory state nearest it as the block's noisy version, and packs
+    ``[prompt][noisy_0][clean_0][noisy_1][clean_1]...`` with shared position ids and the configured mask.
+    ONE forward gives the students (noisy blocks) and the teachers (clean blocks, detached). The loss is
+    ``pc_loss + ar_weight * ar_loss``, each term normalised by its count over the whole optimizer step.
+
+    Dataset columns: as :class:`ConsistencyTrainer` (``prompt_ids``, ``response_ids``, ``trajectories``,
+    ``fixed_points``, from ``hf-paralleldecode collect``).
+
+    Logged (each averaged over the logging interval; ``eval_`` prefix in evaluation): ``loss`` (the total),
+    ``pc_loss`` (mean divergence per noisy-block token between its prediction and its clean block's) and
+    ``ar_loss`` (mean next-token cross-entropy on the clean blocks; with ``ar_target="base_kl"``, the mean KL
+    to the frozen starting model), besides the Trainer's ``grad_norm`` and ``learning_rate``.
+
+    Saving writes the model, ``parallel_decoding_config.json`` (``decoding="jacobi_forcing"`` with
+    ``block_size``, ``num_blocks``, ``pool_size``, ``context_matches`` and ``context_tokens`` from the config)
+    and a model card.
+
+    Construction: as ``transformers.Trainer``, with ``model`` the causal LM to train (every parameter trains),
+    ``args`` a :class:`ProgressiveConsistencyConfig` and ``train_dataset`` the trajectories; ``data_collator``
+    defaults to a ``ProgressiveCollator`` with the config's ``block_size``, ``noise_schedule``,
+    ``noise_window``, ``mask`` and ``seed``.
+    """
+
     method = "jacobi_forcing"
 
     def _default_collator(self, c):

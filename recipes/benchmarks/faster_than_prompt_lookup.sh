@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 11 measurements: the project's strategies against transformers' prompt lookup decoding, in one run per setting.
+# The measurements of the performance page (docs/benchmark.md): the project's strategies against transformers' prompt lookup decoding, in one run per setting.
 # Run from the repository root after `bash scripts/setup.sh`; nothing else should run on the machine meanwhile.
 #   1. batch 1, both embedded models, two held-out prompt sets (function openings; mid-file windows). `speculative`
 #      with no settings is each checkpoint's own default: DEER with the drafter aligned to that model, composed with
