@@ -261,10 +261,12 @@ def _row_by_row(spec: StrategySpec | None, batch: int) -> bool:
     return spec is not None and spec.decoding in STOCK_PEERS and STOCK_PEERS[spec.decoding].batch_one and batch > 1
 
 
-def _one_run(model, enc, spec: StrategySpec | None, max_new_tokens: int, timer: _ForwardTimer):
+def _one_run(model, enc, spec: StrategySpec | None, max_new_tokens: int, timer: _ForwardTimer,
+             sampling: dict | None = None):
     sync = timer._sync
     clock = _FirstTokenClock(sync)
-    kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, streamer=clock, **_generate_kwargs(model, spec))
+    draw = dict(do_sample=True, **sampling) if sampling is not None else dict(do_sample=False)
+    kwargs = dict(max_new_tokens=max_new_tokens, streamer=clock, **draw, **_generate_kwargs(model, spec))
     prompt_len = enc["input_ids"].shape[1]
     pad = model.generation_config.pad_token_id
     eos = model.generation_config.eos_token_id
@@ -344,8 +346,18 @@ def run_benchmark(
     output_dir: str | Path | None = None,
     progress: bool = True,
     model_name: str = "model",
+    sampling: dict | None = None,
 ) -> dict:
-    """Run AR and ``strategies`` interleaved; return (and optionally write) the report."""
+    """Run AR and ``strategies`` interleaved; return (and optionally write) the report.
+
+    ``sampling``: sampling settings (``temperature``, ``top_p``, ``top_k``) for runs with ``do_sample=True``
+    (stock sampling is then the baseline). Every run of a prompt batch starts from the same torch seed,
+    and ``exact_match_vs_ar`` is ``None``: sampled outputs are compared in distribution by the tests,
+    not row by row."""
+    if sampling is not None:
+        unknown = sorted(set(sampling) - {"temperature", "top_p", "top_k"})
+        if unknown:
+            raise ValueError(f"sampling takes temperature, top_p and top_k; got {unknown}.")
     from tqdm.auto import tqdm
 
     from .integration import enable
@@ -368,17 +380,19 @@ def run_benchmark(
     try:
         for enc in encoded:  # warm-up, untimed
             for spec in entries:
-                _one_run(model, enc, spec, min(max_new_tokens, 8), timer)
+                _one_run(model, enc, spec, min(max_new_tokens, 8), timer, sampling)
         bar = tqdm(total=repeats * len(encoded) * len(entries), disable=not progress, desc="bench")
         for _ in range(repeats):
             drafts = {lab: None for lab in labels}
             acc = {lab: dict(seconds=0.0, decode_seconds=0.0, tokens=0, decode_tokens=0, forwards=0,
                              forward_seconds=0.0, rows=0, row_forwards=0, budget_nodes=0.0, budget_steps=0)
                    for lab in labels}
-            for enc in encoded:
+            for b, enc in enumerate(encoded):
                 ar_generated = None
                 for lab, spec in zip(labels, entries):
-                    res = _one_run(model, enc, spec, max_new_tokens, timer)
+                    if sampling is not None:
+                        torch.manual_seed(b)
+                    res = _one_run(model, enc, spec, max_new_tokens, timer, sampling)
                     a = acc[lab]
                     rows = res["generated"].shape[0]
                     for key in ("seconds", "decode_seconds", "tokens", "forwards", "forward_seconds"):
@@ -396,7 +410,7 @@ def run_benchmark(
                             d[key] += res["draft"][key]
                     if spec is None:
                         ar_generated = res["generated"]
-                    else:
+                    elif sampling is None:
                         same = [torch.equal(x, y) for x, y in zip(res["generated"], ar_generated)]
                         matches[lab][0] += sum(same)
                         matches[lab][1] += len(same)
@@ -417,6 +431,7 @@ def run_benchmark(
         batch_size=batch_size,
         max_new_tokens=max_new_tokens,
         repeats=repeats,
+        sampling=dict(do_sample=True, **sampling) if sampling is not None else None,
         results={},
     )
     ar = totals["ar"]
@@ -440,7 +455,8 @@ def run_benchmark(
                 (r["decode_tokens"] / r["decode_seconds"]) / (a["decode_tokens"] / a["decode_seconds"])
                 for a, r in zip(ar, runs)
             ) if all(a["decode_tokens"] > 0 for a in ar) else None,
-            exact_match_vs_ar=(matches[lab][0] / matches[lab][1]) if lab != "ar" else 1.0,
+            exact_match_vs_ar=None if sampling is not None else (matches[lab][0] / matches[lab][1]) if lab != "ar"
+            else 1.0,
             loop_overhead=med(1.0 - r["forward_seconds"] / r["seconds"] for r in runs),
             # host time (everything but the target forwards) per decoding step, in milliseconds
             host_ms_per_step=med(1e3 * (r["seconds"] - r["forward_seconds"]) / max(r["forwards"], 1) for r in runs),
@@ -590,10 +606,15 @@ def format_report(report: dict) -> str:
     for lab, r in report["results"].items():
         lines.append(
             f"{lab:<{w}}{r['tpf']:>6.2f}{r['tokens_per_second']:>9.1f}{r['decode_tokens_per_second']:>11.1f}"
-            f"{r['speedup_vs_ar']:>8.2f}x{r['exact_match_vs_ar']:>7.0%}{r['loop_overhead']:>10.1%}"
+            f"{r['speedup_vs_ar']:>8.2f}x{_exact(r['exact_match_vs_ar']):>7}{r['loop_overhead']:>10.1%}"
             f"{r.get('host_ms_per_step', float('nan')):>14.2f}"
         )
     return "\n".join(lines)
+
+
+def _exact(rate) -> str:
+    """The exact-match column: a share, or ``n/a`` for sampled runs (compared in distribution, not row by row)."""
+    return "n/a" if rate is None else f"{rate:.0%}"
 
 
 def grid_strategies(decoding: str, grid: dict[str, list]) -> list[StrategySpec]:

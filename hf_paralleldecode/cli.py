@@ -160,13 +160,17 @@ def _bench(args) -> int:
     sizes = args.batch_sizes or [args.batch_size]
     if any(b < 1 for b in sizes):
         raise ValueError(f"batch sizes must be >= 1, got {sizes}.")
+    settings = {k: getattr(args, k) for k in ("temperature", "top_p", "top_k") if getattr(args, k) is not None}
+    if settings and not args.do_sample:
+        raise ValueError("--temperature / --top-p / --top-k are sampling settings: add --do-sample.")
+    sampling = settings if args.do_sample else None
     model, tokenizer, name = _load(args)
     reports = []
     for b in sizes:
         out = args.output_dir if args.output_dir is None or len(sizes) == 1 else Path(args.output_dir) / f"batch{b}"
         report = run_benchmark(
             model, tokenizer, prompts, strategies, max_new_tokens=args.max_new_tokens,
-            repeats=args.repeats, batch_size=b, output_dir=out, model_name=name,
+            repeats=args.repeats, batch_size=b, output_dir=out, model_name=name, sampling=sampling,
         )
         reports.append(report)
         if len(sizes) > 1:
@@ -452,6 +456,11 @@ def _main(argv=None) -> int:
                               "one report per size under batch<B>/ and batch_sizes.png (tokens/s and TPF vs batch size)")
     p_bench.add_argument("--output-dir", default="bench_out")
     p_bench.add_argument("--json", action="store_true", help="also print the JSON report")
+    p_bench.add_argument("--do-sample", action="store_true",
+                         help="sample (stock sampling is the baseline; every run of a batch starts from one seed)")
+    p_bench.add_argument("--temperature", type=_positive_float, default=None, help="with --do-sample")
+    p_bench.add_argument("--top-p", type=_probability, default=None, help="with --do-sample")
+    p_bench.add_argument("--top-k", type=POSITIVE, default=None, help="with --do-sample")
     p_bench.set_defaults(func=_bench)
 
     p_sweep = sub.add_parser("sweep", help="grid of one strategy's settings vs AR (TPF and tokens/s heatmaps)")

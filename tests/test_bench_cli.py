@@ -189,3 +189,28 @@ def test_cli_tune_prints_the_knee_and_the_choice(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:  # --save needs a local model folder
         cli.main(["tune", "--model", "random-tiny", "--prompts", str(prompts), "--save", "--grid", "block_size=2"])
     assert exc.value.code == 2 and "--save-to" in capsys.readouterr().err
+
+
+def test_sampled_runs_report_speed_against_stock_sampling_with_the_same_seed(tmp_path):
+    """--do-sample: stock sampling is the baseline, each batch's runs start from one seed (AR twice gives the same
+    text), exactness is n/a (compared in distribution by the sampling tests), the settings are in the report."""
+    model = tiny_model("llama")
+    prompts = ["t5 t6 t7 t5 t6 t7 t5 t6", "t9 t10 t9 t10 t9"]
+    specs = [parse_strategy("prompt_lookup")]
+    report = run_benchmark(model, word_tokenizer(), prompts, specs, max_new_tokens=10, repeats=1, progress=False,
+                           sampling=dict(temperature=0.8), batch_size=2)
+    assert report["sampling"] == {"do_sample": True, "temperature": 0.8}
+    for r in report["results"].values():
+        assert r["exact_match_vs_ar"] is None and r["tokens_per_second"] > 0
+    assert " n/a" in format_report(report)
+    with pytest.raises(ValueError, match="temperature, top_p and top_k"):
+        run_benchmark(model, word_tokenizer(), prompts, specs, max_new_tokens=4, repeats=1, progress=False,
+                      sampling=dict(temprature=0.8))
+
+
+def test_bench_cli_sampling_flags_need_do_sample(capsys):
+    from hf_paralleldecode import cli
+
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["bench", "--model", "random-tiny", "--temperature", "0.5", "--max-new-tokens", "4"])
+    assert exit_.value.code == 2 and "--do-sample" in capsys.readouterr().err
