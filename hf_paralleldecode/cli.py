@@ -134,9 +134,10 @@ def _add_model_args(p):
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--threads", type=POSITIVE, default=None, help="torch CPU threads")
     p.add_argument("--drafter", default=None,
-                   help="a draft head or diffusion drafter (folder, Hub id, or the shipped default-jetspec / "
-                        "default-dflash / default-deer) attached to the model: decoding='speculative' (and "
-                        "dflash_transformers, for a block head) use it unless given drafter=")
+                   help="a drafter in any format load_drafter reads (folder or Hub id: this project's heads, EAGLE-3, "
+                        "DFlash, JetSpec, speculators; or the shipped default-jetspec / default-dflash / default-deer / "
+                        "default-eagle3) attached to the model: decoding='speculative' (and dflash_transformers, for "
+                        "a block head) use it unless given drafter=")
 
 
 def _prompts(args, default_count):
