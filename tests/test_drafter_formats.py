@@ -119,8 +119,11 @@ def _zlab_files(head, folder, *, nested: bool, causal_head: bool):
     save_file(tensors, folder / "model.safetensors")
 
 
+MAIN_ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+
+
 @pytest.mark.parametrize("nested", [False, True], ids=["top_level_block_size", "nested_block_size"])
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", MAIN_ARCHS)
 def test_zlab_dflash_imports_strictly_and_drafts_losslessly(tmp_path, nested, arch):
     model = enabled(arch)
     head = _head(model)
@@ -160,8 +163,9 @@ def test_transformers_dflash_assistant_folder_imports(tmp_path):
     assert _drafts(model, head, tree_budget=8) == _drafts(model, again, tree_budget=8)
 
 
-def test_speculators_dflash_layout_imports(tmp_path):
-    model = enabled("qwen3")
+@pytest.mark.parametrize("arch", MAIN_ARCHS)
+def test_speculators_dflash_layout_imports(tmp_path, arch):
+    model = enabled(arch)
     head = _head(model)
     folder = tmp_path / "spec"
     export_drafter(head, folder, format="speculators", verifier=_saved_target(model, tmp_path))
@@ -195,10 +199,10 @@ def _original_eagle3(drafter, folder, binary=True):
 
 
 @pytest.mark.parametrize("reduced", [False, True], ids=["full_vocab", "reduced_vocab"])
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", MAIN_ARCHS)
 def test_original_eagle3_layout_imports(tmp_path, reduced, arch):
     model = enabled(arch)
-    drafter = _eagle(model, draft_vocab_size=40 if reduced else None)
+    drafter = _eagle(model, draft_vocab_size=40 if reduced else None, layer_type="llama")  # the layout's layer
     if reduced:
         drafter.set_draft_vocab(torch.arange(0, 80, 2))
         ids = drafter.draft_token_ids()
@@ -301,3 +305,22 @@ def test_tree_causal_export_says_what_is_lost(tmp_path, caplog):
     with caplog.at_level("WARNING"):
         export_drafter(_head(model, "tree_causal"), tmp_path / "d", format="dflash")
     assert "causal chain" in caplog.text and "branch conditioning" in caplog.text
+
+
+@pytest.mark.parametrize("arch", MAIN_ARCHS)
+def test_speculators_eagle3_layout_imports(tmp_path, arch):
+    """As speculators writes it (no project key): taps from hidden-state indices, its own embeddings, d2t / t2d."""
+    model = enabled(arch)
+    drafter = _eagle(model, draft_vocab_size=48)
+    drafter.set_draft_vocab(torch.arange(1, 97, 2))
+    drafter.bind(model)
+    folder = tmp_path / "spec"
+    export_drafter(drafter, folder, format="speculators", verifier=_saved_target(model, tmp_path))
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.pop("hf_paralleldecode")
+    (folder / "config.json").write_text(json.dumps(cfg))
+    again = load_drafter(folder, cache=False)
+    assert again.config.target_layer_ids == drafter.config.target_layer_ids and again.config.own_embeddings
+    assert torch.equal(again.draft_token_ids(), drafter.draft_token_ids())
+    for batch in (1, 3):
+        assert _drafts(model, drafter, batch, tree_budget=8) == _drafts(model, again, batch, tree_budget=8)
