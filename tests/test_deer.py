@@ -47,7 +47,7 @@ def test_matches_stock_greedy(batch, attention, convention, budget, width):
     ids, mask = prompts(batch)
     drafter = drafter_for(model, attention, **CONVENTIONS[convention])
     out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False,
-                         decoding="speculative", drafter=drafter, tree_budget=budget, tree_width=width)
+                         decoding="speculative", adaptive=False, drafter=drafter, tree_budget=budget, tree_width=width)
     torch.testing.assert_close(out, reference("llama", batch, 24), rtol=0, atol=0)
 
 
@@ -58,7 +58,7 @@ def test_drafter_dtype_sets_the_drafters_dtype_and_output_stays_exact(attention,
     ids, mask = prompts(3)
     drafter = drafter_for(model, attention, shifted=True)
     out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False, tree_budget=8,
-                         decoding="speculative", drafter=drafter, drafter_dtype=dtype, return_dict_in_generate=True)
+                         decoding="speculative", adaptive=False, drafter=drafter, drafter_dtype=dtype, return_dict_in_generate=True)
     torch.testing.assert_close(out.sequences, reference("llama", 3, 24), rtol=0, atol=0)
     assert str(drafter.dtype) == f"torch.{dtype}" and out.stats["drafter_dtype"] == dtype
     assert out.stats["drafter_forwards_per_step"] == 1
@@ -70,7 +70,7 @@ def test_other_architectures_match_stock_greedy(arch, attention):
     model = enabled(arch)
     ids, mask = prompts(3)
     out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False,
-                         decoding="speculative", drafter=drafter_for(model, attention, shifted=True), tree_budget=8)
+                         decoding="speculative", adaptive=False, drafter=drafter_for(model, attention, shifted=True), tree_budget=8)
     torch.testing.assert_close(out, reference(arch, 3, 24), rtol=0, atol=0)
 
 
@@ -88,7 +88,7 @@ def test_accepted_blocks_eos_and_processors_match_stock(small_vocab, attention, 
         drafter, tree = drafter_for(small_vocab, attention, layers=2, block_size=6), (18, 3)
     for eos_id in (None, eos, EOS):
         kw = dict(gen, eos_token_id=eos_id)
-        out = small_vocab.generate(**kw, decoding="speculative", drafter=drafter, tree_budget=tree[0],
+        out = small_vocab.generate(**kw, decoding="speculative", adaptive=False, drafter=drafter, tree_budget=tree[0],
                                    tree_width=tree[1], return_dict_in_generate=True)
         assert torch.equal(out.sequences, small_vocab.generate(**kw)), f"eos={eos_id}"
         if extra.get("max_new_tokens", 40) > 3 and eos_id is None:
@@ -103,7 +103,7 @@ def test_more_denoising_steps_stay_exact_and_cost_one_drafter_forward_each(small
     drafter.config.denoise_steps = steps
     ref = small_vocab.generate(input_ids=ids, attention_mask=mask, max_new_tokens=30, do_sample=False)
     out = small_vocab.generate(input_ids=ids, attention_mask=mask, max_new_tokens=30, do_sample=False,
-                               decoding="speculative", drafter=drafter, tree_budget=8, tree_width=2,
+                               decoding="speculative", adaptive=False, drafter=drafter, tree_budget=8, tree_width=2,
                                return_dict_in_generate=True)
     assert torch.equal(out.sequences, ref)
     assert out.stats["drafter_forwards_per_step"] == steps and out.stats["denoise_steps"] == steps
@@ -113,13 +113,13 @@ def test_denoise_steps_at_generate_time_override_the_drafter_and_heads_refuse_it
     ids, mask = small_prompts()
     drafter = drafter_for(small_vocab, block_size=4)
     out = small_vocab.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False,
-                               decoding="speculative", drafter=drafter, denoise_steps=3, return_dict_in_generate=True)
+                               decoding="speculative", adaptive=False, drafter=drafter, denoise_steps=3, return_dict_in_generate=True)
     assert out.stats["denoise_steps"] == 3 and out.stats["drafter_forwards_per_step"] == 3
     assert torch.equal(out.sequences, small_vocab.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20,
                                                            do_sample=False))
     head = hfpd.DraftHead.for_target(small_vocab, block_size=4)
     with pytest.raises(ValueError, match="Drop denoise_steps"):
-        small_vocab.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, decoding="speculative",
+        small_vocab.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, decoding="speculative", adaptive=False,
                              drafter=head, denoise_steps=2)
 
 
@@ -129,7 +129,7 @@ def test_depth_sets_the_masks_fed_and_stats_report_acceptance(small_vocab):
     fed = {}
     for depth in (2, 8):
         out = small_vocab.generate(input_ids=ids, attention_mask=mask, max_new_tokens=30, do_sample=False,
-                                   eos_token_id=None, decoding="speculative", drafter=drafter, tree_depth=depth,
+                                   eos_token_id=None, decoding="speculative", adaptive=False, drafter=drafter, tree_depth=depth,
                                    tree_width=1, return_dict_in_generate=True)
         s = out.stats
         assert s["drafter"] == "diffusion" and s["tree_depth"] == depth and s["drafter_forwards_per_step"] == 1
@@ -145,14 +145,15 @@ def _recorded_marginals(model, drafter, ids, mask, **kw):
     calls = []
     original = diffusion_module.DiffusionState.marginals
 
-    def marginals(self, roots, root_pos):
-        out = original(self, roots, root_pos)
+    def marginals(self, roots, root_pos, depth=None):
+        out = original(self, roots, root_pos, depth)
         calls.append(([self.run.history(int(r)) for r in self.run.rows], out.clone()))
         return out
 
     diffusion_module.DiffusionState.marginals = marginals
     try:
         kw.setdefault("drafter_dtype", "target")  # the comparisons below are fp32 to fp32
+        kw.setdefault("adaptive", False)  # the configured block every step
         model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False, eos_token_id=None,
                        decoding="speculative", drafter=drafter, **kw)
     finally:
@@ -186,7 +187,7 @@ def test_block_causal_feeds_only_new_tokens_bidirectional_feeds_its_window(small
     tokens = {}
     for attention in ATTENTIONS:
         out = small_vocab.generate(input_ids=ids, attention_mask=mask, max_new_tokens=30, do_sample=False,
-                                   eos_token_id=None, decoding="speculative",
+                                   eos_token_id=None, decoding="speculative", adaptive=False,
                                    drafter=drafter_for(small_vocab, attention, block_size=4), tree_budget=4,
                                    tree_width=1, return_dict_in_generate=True)
         tokens[attention] = out.stats["drafter_tokens_per_forward"]
@@ -200,7 +201,7 @@ def test_context_window_bounds_what_a_bidirectional_drafter_reads(small_vocab):
     drafter = drafter_for(small_vocab, "bidirectional", block_size=4)
     drafter.config.context_window = 6
     out = small_vocab.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False,
-                               decoding="speculative", drafter=drafter, tree_budget=4, return_dict_in_generate=True)
+                               decoding="speculative", adaptive=False, drafter=drafter, tree_budget=4, return_dict_in_generate=True)
     assert torch.equal(out.sequences, small_vocab.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20,
                                                            do_sample=False))
     assert out.stats["drafter_tokens_per_forward"] == 6 + 4
@@ -211,7 +212,7 @@ def test_one_target_forward_per_step_and_the_drafter_never_runs_the_target(small
     rec = ForwardRecorder(small_vocab)
     try:
         out = small_vocab.generate(input_ids=ids, attention_mask=mask, max_new_tokens=30, do_sample=False,
-                                   eos_token_id=None, decoding="speculative", drafter=drafter_for(small_vocab),
+                                   eos_token_id=None, decoding="speculative", adaptive=False, drafter=drafter_for(small_vocab),
                                    tree_budget=8, return_dict_in_generate=True)
     finally:
         rec.restore()
@@ -224,7 +225,7 @@ def test_sampling_with_top_k_1_is_greedy(small_vocab):
     greedy = small_vocab.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False)
     for attention in ATTENTIONS:
         out = small_vocab.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=True, top_k=1,
-                                   decoding="speculative", drafter=drafter_for(small_vocab, attention), tree_budget=4)
+                                   decoding="speculative", adaptive=False, drafter=drafter_for(small_vocab, attention), tree_budget=4)
         assert torch.equal(out, greedy)
 
 
@@ -245,7 +246,7 @@ def test_sampled_output_distribution_equals_stock(setting):
     torch.manual_seed(0)
     stock = model.generate(**kwargs)
     torch.manual_seed(1)
-    ours = model.generate(**kwargs, decoding="speculative", drafter=drafter, tree_budget=3, tree_width=1,
+    ours = model.generate(**kwargs, decoding="speculative", adaptive=False, drafter=drafter, tree_budget=3, tree_width=1,
                           return_dict_in_generate=True)
     assert ours.tokens_per_forward > 1.05, "multi-token acceptance must happen for the test to mean anything"
     p = chi_square_two_sample(outcomes(stock, 5), outcomes(ours.sequences, 5), vocab**3)
@@ -272,7 +273,7 @@ def test_bad_settings_raise_before_any_forward(settings, match):
     drafter = drafter_for(model)
     _no_forward(model, drafter.model)
     with pytest.raises(ValueError, match=match):
-        model.generate(input_ids=torch.tensor([[5, 6]]), max_new_tokens=4, decoding="speculative", drafter=drafter,
+        model.generate(input_ids=torch.tensor([[5, 6]]), max_new_tokens=4, decoding="speculative", adaptive=False, drafter=drafter,
                        **settings)
 
 
@@ -281,11 +282,11 @@ def test_a_drafter_for_another_vocabulary_is_refused_before_any_forward():
     smaller = drafter_for(hfpd.enable(tiny_model("llama", vocab_size=50)))
     _no_forward(model, smaller.model)
     with pytest.raises(ValueError, match="does not share the target's vocabulary"):
-        model.generate(input_ids=torch.tensor([[5, 6]]), max_new_tokens=4, decoding="speculative", drafter=smaller)
+        model.generate(input_ids=torch.tensor([[5, 6]]), max_new_tokens=4, decoding="speculative", adaptive=False, drafter=smaller)
     larger = drafter_for(hfpd.enable(tiny_model("llama", vocab_size=120)))  # more rows, recorded for 120
     _no_forward(larger.model)
     with pytest.raises(ValueError, match="built for a 120-token vocabulary"):
-        model.generate(input_ids=torch.tensor([[5, 6]]), max_new_tokens=4, decoding="speculative", drafter=larger)
+        model.generate(input_ids=torch.tensor([[5, 6]]), max_new_tokens=4, decoding="speculative", adaptive=False, drafter=larger)
 
 
 class _Tokenizer:
@@ -315,7 +316,7 @@ def test_a_drafter_trained_with_another_tokenizer_is_refused(tmp_path):
     saved = hfpd.load_model(tmp_path / "target")
     _no_forward(saved, drafter.model)
     with pytest.raises(ValueError, match="another tokenizer"):
-        saved.generate(input_ids=torch.tensor([[5, 6]]), max_new_tokens=4, decoding="speculative", drafter=drafter)
+        saved.generate(input_ids=torch.tensor([[5, 6]]), max_new_tokens=4, decoding="speculative", adaptive=False, drafter=drafter)
     drafter_for(model, tokenizer=fast).check_target(saved)  # the same tokenizer passes
 
 
@@ -376,7 +377,7 @@ def test_any_masked_lm_with_the_targets_vocabulary_drafts_losslessly():
         assert wrapped.config.attention == "bidirectional"  # not a stock *ForCausalLM: no block-causal masks
         assert wrapped.vocab_size == 98
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False,
-                             decoding="speculative", drafter=wrapped, tree_budget=8)
+                             decoding="speculative", adaptive=False, drafter=wrapped, tree_budget=8)
         torch.testing.assert_close(out, reference("llama", 3, 24), rtol=0, atol=0)
 
 
@@ -406,7 +407,7 @@ def test_save_load_round_trip_folder_string_and_bundle(tmp_path):
     ref = reference("llama", 3, 24)
     for given in (loaded, str(tmp_path / "deer")):  # an object, or its folder
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False,
-                             decoding="speculative", drafter=given, tree_budget=8)
+                             decoding="speculative", adaptive=False, drafter=given, tree_budget=8)
         torch.testing.assert_close(out, ref, rtol=0, atol=0)
     model.save_pretrained(tmp_path / "target")
     bundled = hfpd.load_model(tmp_path / "target", drafter=tmp_path / "deer")
@@ -575,6 +576,6 @@ def test_the_shipped_drafter_loads_by_alias_and_belongs_to_the_embedded_model():
     inputs = tokenizer(["import os\n\n\ndef walk(top):\n", "class Stack:\n    def push(self, item):\n"],
                        return_tensors="pt", padding=True, padding_side="left")
     ref = target.generate(**inputs, max_new_tokens=32, do_sample=False)
-    out = target.generate(**inputs, max_new_tokens=32, do_sample=False, decoding="speculative", drafter="default-deer",
+    out = target.generate(**inputs, max_new_tokens=32, do_sample=False, decoding="speculative", adaptive=False, drafter="default-deer",
                           tree_depth=8, tree_width=1, return_dict_in_generate=True)
     assert torch.equal(out.sequences, ref) and out.stats["tau"] > 1.5  # an aligned drafter gets blocks accepted

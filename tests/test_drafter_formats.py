@@ -41,7 +41,8 @@ def _drafts(model, drafter, batch=3, **settings):
     try:
         ids, mask = prompts(batch)
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=16, do_sample=False,
-                             decoding="speculative", drafter=drafter, drafter_dtype="float32", **settings)
+                             decoding="speculative", drafter=drafter, drafter_dtype="float32", adaptive=False,
+                             **settings)
     finally:
         DraftProposer._pack = pack
     arch = model.config.model_type

@@ -54,7 +54,7 @@ def test_context_ngrams_composed_into_the_head_tree_match_stock_greedy(batch, ki
     ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False)
     out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False,
                          decoding="speculative", drafter=head_for(model, kind), tree_budget=budget,
-                         context_matches=3, context_tokens=5, return_dict_in_generate=True)
+                         context_matches=3, context_tokens=5, adaptive=False, return_dict_in_generate=True)
     torch.testing.assert_close(out.sequences, ref, rtol=0, atol=0)
     assert out.stats["context_step_share"] > 0 and out.stats["context_matched_step_share"] > 0
     assert out.num_forward_passes <= 24  # one target forward per step, context nodes included
@@ -82,7 +82,7 @@ def test_accepted_branches_eos_and_processors_match_stock(small_vocab, kind, ext
     for eos_id in (None, eos, EOS):
         kw = dict(gen, eos_token_id=eos_id)
         out = small_vocab.generate(**kw, decoding="speculative", drafter=head, tree_budget=32, tree_width=3,
-                                   return_dict_in_generate=True)
+                                   adaptive=False, return_dict_in_generate=True)
         assert torch.equal(out.sequences, small_vocab.generate(**kw)), f"eos={eos_id}"
         if extra.get("max_new_tokens", 40) > 3 and eos_id is None:
             assert out.stats["mean_accepted_length"] > 1.3  # multi-token acceptance really happened
@@ -109,7 +109,7 @@ def test_statistics_report_tau_head_forwards_and_drafting_cost(small_vocab):
     for kind, forwards in (("block_bidirectional", 1.0), ("tree_causal", None)):
         out = small_vocab.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False,
                                    decoding="speculative", drafter=head_for(small_vocab, kind), tree_budget=8,
-                                   return_dict_in_generate=True)
+                                   adaptive=False, return_dict_in_generate=True)
         s = out.stats
         assert s["mean_accepted_length"] >= 1 and s["drafting_cost"] > 0 and s["drafter_seconds"] > 0
         if forwards is not None:
@@ -314,7 +314,7 @@ def test_more_waves_fill_larger_trees_and_stay_exact(small_vocab, budget):
     for waves in (None, 40):
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False,
                              decoding="speculative", drafter=head, tree_budget=budget, tree_width=2,
-                             tree_waves=waves, return_dict_in_generate=True)
+                             tree_waves=waves, adaptive=False, return_dict_in_generate=True)
         assert torch.equal(out.sequences, ref)
         assert out.stats["drafter_forwards_per_step"] <= (waves or 4) and out.stats["tree_waves"] == (waves or 4)
         runs[waves] = out.stats

@@ -405,6 +405,9 @@ class Proposer:
     def select(self, kept: torch.Tensor) -> None:
         """Default: the proposer keys its state by original row id and needs no compaction."""
 
+    def finish(self) -> None:
+        """At the end of the call (default: nothing): e.g. keep measurements for the next call."""
+
 
 def decode(model, name, make_proposer, input_ids, logits_processor, stopping_criteria, generation_config,
            streamer, model_kwargs, settings: dict, pd_streamer=None):
@@ -442,6 +445,7 @@ def decode(model, name, make_proposer, input_ids, logits_processor, stopping_cri
             if budget is not None:
                 budget.learn(tree, verdict)
             proposer.update(tree, verdict)
+        proposer.finish()
         run.stats.update(proposer.stats)
         run.draft_stats = getattr(proposer, "draft_stats", None)
         if proposer.cost_budget is not None:

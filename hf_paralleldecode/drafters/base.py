@@ -114,8 +114,9 @@ class DrafterState:
         self.seconds = 0.0  # their time
         self.fed_tokens = 0  # input slots fed, summed over forwards
 
-    def marginals(self, roots: torch.Tensor, root_pos: torch.Tensor) -> torch.Tensor:  # pragma: no cover
-        """``[active, D, V]`` raw logits for depths ``1..D`` after each row's root."""
+    def marginals(self, roots: torch.Tensor, root_pos: torch.Tensor, depth: int | None = None) -> torch.Tensor:
+        """``[active, D, V]`` raw logits for depths ``1..D`` after each row's root. ``depth``: the depths this step
+        needs (a drafter whose cost depends on it may feed a shorter block; it may also return more)."""
         raise NotImplementedError
 
     def expand(self, builders, wanted: list[list[int]], roots: torch.Tensor, root_pos: torch.Tensor) -> torch.Tensor:

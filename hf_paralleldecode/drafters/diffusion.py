@@ -591,6 +591,7 @@ class DiffusionState(DrafterState):
         self.block = torch.tensor(drafter.block_ids(depth), dtype=torch.long, device=device)  # [L]
         self.query = drafter.query_index(depth).to(device)  # [k] into [anchor] + block
         self.first_mask = 1 + (c.boundary_token_id is not None)  # index of mask 1 in [anchor] + block
+        self._blocks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # shorter blocks, by depth
         self.steps = min(steps or c.denoise_steps, depth)
         if self.causal:
             b = run.rows.shape[0]
@@ -674,21 +675,34 @@ class DiffusionState(DrafterState):
         return logits.gather(1, at[..., None].expand(-1, -1, logits.shape[-1]))
 
     # ---- the step ----------------------------------------------------------------------------------
-    def marginals(self, roots: torch.Tensor, root_pos: torch.Tensor) -> torch.Tensor:
-        """Draft logits ``[active, k, V]`` (fp32, the target's vocabulary) for depths ``1..k``."""
+    def _block(self, depth: int | None):
+        """``(block ids, query index)`` of a block of ``depth`` masks (default: the call's ``tree_depth``)."""
+        if depth is None or depth == self.query.shape[0]:
+            return self.block, self.query
+        if depth not in self._blocks:
+            device = self.block.device
+            self._blocks[depth] = (torch.tensor(self.drafter.block_ids(depth), dtype=torch.long, device=device),
+                                   self.drafter.query_index(depth).to(device))
+        return self._blocks[depth]
+
+    def marginals(self, roots: torch.Tensor, root_pos: torch.Tensor, depth: int | None = None) -> torch.Tensor:
+        """Draft logits ``[active, k, V]`` (fp32, the target's vocabulary) for depths ``1..k``; ``depth`` feeds a
+        shorter block this step (a cheaper drafter forward), at most the call's ``tree_depth``."""
         b = roots.shape[0]
-        block = self.block[None].expand(b, -1).clone()
-        k = self.query.shape[0]
+        base, query = self._block(depth)
+        block = base[None].expand(b, -1).clone()
+        k = query.shape[0]
+        steps = min(self.steps, k)
         masked = torch.ones(b, k, dtype=torch.bool, device=roots.device)
         out = None
-        for s in range(self.steps):
+        for s in range(steps):
             logits = self._causal_forward(block, root_pos, s == 0) if self.causal else self._bidirectional_forward(block)
-            q = logits[:, self.query, : self.vocab].float()  # [b, k, V]
+            q = logits[:, query, : self.vocab].float()  # [b, k, V]
             out = q if out is None else torch.where(masked[..., None], q, out)
-            if s == self.steps - 1:
+            if s == steps - 1:
                 break
             left = int(masked[0].sum())  # every row has the same number of masked positions
-            n = -(-left // (self.steps - s))  # ceil: the rest is spread over the remaining steps
+            n = -(-left // (steps - s))  # ceil: the rest is spread over the remaining steps
             conf = q.amax(-1).masked_fill(~masked, float("-inf"))
             pick = conf.topk(n, dim=-1).indices  # [b, n] most confident masked depths
             masked.scatter_(1, pick, False)
@@ -704,7 +718,9 @@ class DiffusionState(DrafterState):
         cols = torch.arange(m, device=n.device)
         shift = (m - n)[:, None]
         idx = (cols[None] - shift).clamp(min=0)  # left-padded: the new anchor is always the last column
-        self.pending = (verdict.tokens.gather(1, idx), root_pos[:, None] + 1 + idx, cols[None] >= shift)
+        new = (verdict.tokens.gather(1, idx), root_pos[:, None] + 1 + idx, cols[None] >= shift)
+        # a step that drafted nothing left its tokens queued: both go in, the new anchor last
+        self.pending = new if self.pending is None else tuple(torch.cat(p, dim=1) for p in zip(self.pending, new))
 
     def end_step(self) -> None:
         if self.causal and self.slots._holes_worth_compacting():

@@ -604,14 +604,14 @@ class Eagle3State(DrafterState):
         idx = (cols[None] - shift).clamp(min=0)
         path = verdict.path[:, :m].clamp(min=0).gather(1, idx)
         kept = feats.gather(1, path[..., None].expand(-1, -1, feats.shape[-1]))
-        self.pending = (kept, verdict.tokens[:, :m].gather(1, idx), root_pos[:, None] + idx, cols[None] >= shift)
+        new = (kept, verdict.tokens[:, :m].gather(1, idx), root_pos[:, None] + idx, cols[None] >= shift)
+        # a step that drafted nothing left its slots queued: both go in, the new root slot last
+        self.pending = new if self.pending is None else tuple(torch.cat(p, dim=1) for p in zip(self.pending, new))
 
     def end_step(self) -> None:
         if self.block:
             self.slots.cache.crop(-self.block)
             self.block = 0
-        if self.pending is not None:  # no row drafted this step (all at their last token): keep the context whole
-            self._feed_pending()
         for d in self._slot:
             d.clear()
         if self.slots._holes_worth_compacting():

@@ -528,6 +528,11 @@ class HeadState(DrafterState):
         self._add_context(taps.features().to(device), run.prompt_positions, run.prompt_mask)  # the prefill
 
     def _add_context(self, feats, positions, valid):
+        """Queue context slots; slots of a step that ran no head forward stay queued before them."""
+        if getattr(self, "new_feats", None) is not None and self.new_feats.shape[1]:
+            feats = torch.cat([self.new_feats, feats.to(self.new_feats.dtype)], dim=1)
+            positions = torch.cat([self.new_pos, positions], dim=1)
+            valid = torch.cat([self.new_valid, valid.bool()], dim=1)
         self.new_feats, self.new_pos, self.new_valid = feats, positions, valid.bool()
 
     def _run(self, ids, positions, visible) -> torch.Tensor:
@@ -544,12 +549,12 @@ class HeadState(DrafterState):
         self.forwards += 1
         self.fed_tokens += b * (s + feats.shape[1])
         self.slots.valid = ctx_valid
-        self._add_context(feats[:, :0], self.new_pos[:, :0], self.new_valid[:, :0])
+        self.new_feats, self.new_pos, self.new_valid = feats[:, :0], self.new_pos[:, :0], self.new_valid[:, :0]
         assert self.slots.cache.get_seq_length() == n_ctx + feats.shape[1] + self.block + s
         self.block += s
         return hidden
 
-    def marginals(self, roots, root_pos) -> torch.Tensor:
+    def marginals(self, roots, root_pos, depth=None) -> torch.Tensor:
         """Block heads: one forward over :func:`block_layout`'s block -> ``[b, block, V]`` for depths ``1..block``."""
         c = self.head.config
         b = roots.shape[0]
