@@ -40,7 +40,7 @@ import torch
 from transformers import TrainingArguments
 
 from ..decoding.cache import additive_mask
-from .draft_head import DrafterTrainer, padded_rows_and_anchors
+from .draft_head import DrafterTrainer, check_distillation_settings, padded_rows_and_anchors
 from .losses import DISTILLATION_OBJECTIVES, diffusion_alignment_loss, position_weights
 from .trajectories import check_token_ids
 
@@ -116,12 +116,7 @@ class DiffusionAlignmentConfig(TrainingArguments):
                 raise ValueError(f"span_lengths must be a non-empty list of integers >= 1, got {self.span_lengths!r}.")
         if self.gamma is not None and self.gamma <= 0:
             raise ValueError(f"gamma must be > 0, got {self.gamma}.")
-        if self.objective not in DISTILLATION_OBJECTIVES:
-            raise ValueError(f"objective must be one of {DISTILLATION_OBJECTIVES}, got {self.objective!r}.")
-        if self.kd_temperature <= 0:
-            raise ValueError(f"kd_temperature must be > 0, got {self.kd_temperature}.")
-        if self.remove_unused_columns:
-            raise ValueError("remove_unused_columns must stay False: the collator needs the data columns.")
+        check_distillation_settings(self)
 
 
 def stage_span(stage: int, block_size: int, suffix_length: int | None = None, refine_length: int | None = None,

@@ -88,14 +88,20 @@ class DraftHeadDistillationConfig(TrainingArguments):
         if isinstance(self.loss_chunk_size, bool) or not isinstance(self.loss_chunk_size, int) or \
                 self.loss_chunk_size < 1:
             raise ValueError(f"loss_chunk_size must be an integer >= 1, got {self.loss_chunk_size!r}.")
-        if self.objective not in DISTILLATION_OBJECTIVES:
-            raise ValueError(f"objective must be one of {DISTILLATION_OBJECTIVES}, got {self.objective!r}.")
-        if self.kd_temperature <= 0:
-            raise ValueError(f"kd_temperature must be > 0, got {self.kd_temperature}.")
         if self.gamma is not None and self.gamma <= 0:
             raise ValueError(f"gamma must be > 0 or None, got {self.gamma}.")
-        if self.remove_unused_columns:
-            raise ValueError("remove_unused_columns must stay False: the collator needs the data columns.")
+        check_distillation_settings(self)
+
+
+def check_distillation_settings(config) -> None:
+    """The checks every drafter-distillation config shares: the objective, the KD temperature, and the data columns
+    the collator needs (``remove_unused_columns`` must stay ``False``)."""
+    if config.objective not in DISTILLATION_OBJECTIVES:
+        raise ValueError(f"objective must be one of {DISTILLATION_OBJECTIVES}, got {config.objective!r}.")
+    if config.kd_temperature <= 0:
+        raise ValueError(f"kd_temperature must be > 0, got {config.kd_temperature}.")
+    if config.remove_unused_columns:
+        raise ValueError("remove_unused_columns must stay False: the collator needs the data columns.")
 
 
 class DraftHeadCollator:
@@ -171,6 +177,28 @@ class DrafterTrainer(TrainerHooks, Trainer):
         super().__init__(*args, **kwargs)
         self._metrics = defaultdict(list)
 
+    @staticmethod
+    def check_frozen_target(trainer: str, drafter: str, model, target_model, data) -> int:
+        """Before ``Trainer.__init__`` of a trainer that distils ``model`` from a frozen ``target_model``: the target
+        is given and is the drafter's, the data is non-empty and within its vocabulary. Returns the pad id of the
+        default collator (the target's, else 0)."""
+        if target_model is None:
+            raise ValueError(f"{trainer} needs `target_model=` (the frozen model the {drafter} drafts for).")
+        model.check_target(target_model)
+        if data is not None:
+            if len(data) == 0:
+                raise ValueError("train_dataset is empty: regenerate the target's continuations first.")
+            check_token_ids(data, target_model.get_output_embeddings().weight.shape[0], "train_dataset")
+        pad = target_model.generation_config.pad_token_id
+        return pad if pad is not None else 0
+
+    def freeze_target(self, target_model, layer_ids) -> None:
+        """After ``Trainer.__init__``: the target on the training device, frozen, lent to the drafter, with taps on
+        ``layer_ids`` (never wrapped by the accelerator: every process holds a full copy)."""
+        self.target = target_model.to(self.args.device).eval().requires_grad_(False)
+        self.accelerator.unwrap_model(self.model).bind(self.target)
+        self._taps = HiddenStateTaps(self.target, layer_ids)
+
     def count_items_in_batch(self, batch_samples, device):
         if not batch_samples:
             return None
@@ -220,22 +248,12 @@ class DraftHeadDistillationTrainer(DrafterTrainer):
     """
 
     def __init__(self, model=None, args=None, target_model=None, data_collator=None, **kwargs):
-        if target_model is None:
-            raise ValueError("DraftHeadDistillationTrainer needs `target_model=` (the frozen model the head drafts for).")
-        model.check_target(target_model)
-        data = kwargs.get("train_dataset")
-        if data is not None:
-            if len(data) == 0:
-                raise ValueError("train_dataset is empty: regenerate the target's continuations first.")
-            check_token_ids(data, target_model.get_output_embeddings().weight.shape[0], "train_dataset")
+        pad = self.check_frozen_target("DraftHeadDistillationTrainer", "head", model, target_model,
+                                       kwargs.get("train_dataset"))
         if data_collator is None and args is not None:
-            pad = target_model.generation_config.pad_token_id
-            data_collator = DraftHeadCollator(model.config.block_size, args.max_anchors, args.gamma,
-                                              pad if pad is not None else 0, seed=args.seed)
+            data_collator = DraftHeadCollator(model.config.block_size, args.max_anchors, args.gamma, pad, seed=args.seed)
         super().__init__(model=model, args=args, data_collator=data_collator, **kwargs)
-        self.target = target_model.to(self.args.device).eval().requires_grad_(False)
-        self.accelerator.unwrap_model(self.model).bind(self.target)
-        self._taps = HiddenStateTaps(self.target, model.config.target_layer_ids)
+        self.freeze_target(target_model, model.config.target_layer_ids)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         head = self.accelerator.unwrap_model(model)

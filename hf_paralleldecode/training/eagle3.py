@@ -24,11 +24,9 @@ import torch
 from transformers import TrainingArguments
 
 from ..compat import DynamicCache
-from ..decoding.target import HiddenStateTaps
 from ..drafters.eagle3 import ttt_step_mask
-from .draft_head import DrafterTrainer
+from .draft_head import DrafterTrainer, check_distillation_settings
 from .losses import DISTILLATION_OBJECTIVES, draft_distillation_loss
-from .trajectories import check_token_ids
 
 __all__ = ["Eagle3DistillationConfig", "Eagle3DistillationTrainer", "Eagle3Collator"]
 
@@ -69,12 +67,7 @@ class Eagle3DistillationConfig(TrainingArguments):
             raise ValueError(f"ttt_steps must be an integer >= 1, got {self.ttt_steps!r}.")
         if not 0 < self.step_loss_decay <= 1:
             raise ValueError(f"step_loss_decay must be in (0, 1], got {self.step_loss_decay}.")
-        if self.objective not in DISTILLATION_OBJECTIVES:
-            raise ValueError(f"objective must be one of {DISTILLATION_OBJECTIVES}, got {self.objective!r}.")
-        if self.kd_temperature <= 0:
-            raise ValueError(f"kd_temperature must be > 0, got {self.kd_temperature}.")
-        if self.remove_unused_columns:
-            raise ValueError("remove_unused_columns must stay False: the collator needs the data columns.")
+        check_distillation_settings(self)
 
 
 class Eagle3Collator:
@@ -142,21 +135,12 @@ class Eagle3DistillationTrainer(DrafterTrainer):
     """
 
     def __init__(self, model=None, args=None, target_model=None, data_collator=None, **kwargs):
-        if target_model is None:
-            raise ValueError("Eagle3DistillationTrainer needs `target_model=` (the frozen model the drafter drafts for).")
-        model.check_target(target_model)
-        data = kwargs.get("train_dataset")
-        if data is not None:
-            if len(data) == 0:
-                raise ValueError("train_dataset is empty: regenerate the target's continuations first.")
-            check_token_ids(data, target_model.get_output_embeddings().weight.shape[0], "train_dataset")
+        pad = self.check_frozen_target("Eagle3DistillationTrainer", "drafter", model, target_model,
+                                       kwargs.get("train_dataset"))
         if data_collator is None and args is not None:
-            pad = target_model.generation_config.pad_token_id
-            data_collator = Eagle3Collator(args.ttt_steps, args.step_loss_decay, pad if pad is not None else 0)
+            data_collator = Eagle3Collator(args.ttt_steps, args.step_loss_decay, pad)
         super().__init__(model=model, args=args, data_collator=data_collator, **kwargs)
-        self.target = target_model.to(self.args.device).eval().requires_grad_(False)
-        self.accelerator.unwrap_model(self.model).bind(self.target)
-        self._taps = HiddenStateTaps(self.target, model.config.target_layer_ids)
+        self.freeze_target(target_model, model.config.target_layer_ids)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         drafter = self.accelerator.unwrap_model(model)
