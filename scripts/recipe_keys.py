@@ -32,9 +32,13 @@ def _fields(cls) -> list[dataclasses.Field]:
     return [f for f in dataclasses.fields(cls) if f.init]
 
 
-def _type(f: dataclasses.Field) -> str:
-    """The annotation as code spans, ``X | None`` as "`X` or `null`" (no ``|`` inside a table cell)."""
-    t = f.type
+def _type(f: dataclasses.Field, cls) -> str:
+    """The annotation as code spans, ``X | None`` as "`X` or `null`" (no ``|`` inside a table cell).
+
+    Read from the class's own ``__annotations__`` (the source text under ``from __future__ import annotations``):
+    ``HfArgumentParser`` resolves ``Field.type`` in place, so ``f.type`` depends on whether a parser ran first."""
+    t = next((k.__dict__["__annotations__"][f.name] for k in cls.__mro__
+              if f.name in k.__dict__.get("__annotations__", {})), f.type)
     if not isinstance(t, str):  # without `from __future__ import annotations`
         t = getattr(t, "__name__", None) or str(t).replace("typing.", "")
     parts = [p.strip() for p in t.split(" | ")]
@@ -113,7 +117,7 @@ def render() -> str:
     ]
     for f in _fields(ScriptArguments):
         applies, text = _methods_prefix(f.metadata.get("help", ""), METHODS)
-        lines.append(f"| `{f.name}` | {applies} | {_type(f)} | {_default(f)} | {_cell(text)} |")
+        lines.append(f"| `{f.name}` | {applies} | {_type(f, ScriptArguments)} | {_default(f)} | {_cell(text)} |")
     for name, (config_name, trainer_name) in METHODS.items():
         cls = getattr(training, config_name)
         own = [f for f in _fields(cls) if f.name not in base]
@@ -129,7 +133,7 @@ def render() -> str:
             "| --- | --- | --- | --- |",
         ]
         for f in own:
-            lines.append(f"| `{f.name}` | {_type(f)} | {_default(f)} | {_cell(f.metadata.get('help', ''))} |")
+            lines.append(f"| `{f.name}` | {_type(f, cls)} | {_default(f)} | {_cell(f.metadata.get('help', ''))} |")
         if changed:
             lines += ["", "`TrainingArguments` fields with another default here:", ""]
             for f in changed:
