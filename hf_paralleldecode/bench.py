@@ -320,6 +320,8 @@ def _one_run(model, enc, spec: StrategySpec | None, max_new_tokens: int, timer: 
         # cost-aware budgets: the decoding steps they chose for, and the optional nodes fed over them
         budget_steps=budget_steps,
         budget_nodes=stats.get("budget_optional_nodes_per_step", 0.0) * budget_steps,
+        # the batch policy: active rows of the steps of each shape (the plain ones did not speculate)
+        shape_row_steps=stats.get("shape_row_steps", {}) if ours else {},
     )
 
 
@@ -385,7 +387,8 @@ def run_benchmark(
         for _ in range(repeats):
             drafts = {lab: None for lab in labels}
             acc = {lab: dict(seconds=0.0, decode_seconds=0.0, tokens=0, decode_tokens=0, forwards=0,
-                             forward_seconds=0.0, rows=0, row_forwards=0, budget_nodes=0.0, budget_steps=0)
+                             forward_seconds=0.0, rows=0, row_forwards=0, budget_nodes=0.0, budget_steps=0,
+                             shape_row_steps={})
                    for lab in labels}
             for b, enc in enumerate(encoded):
                 ar_generated = None
@@ -402,6 +405,8 @@ def run_benchmark(
                     a["row_forwards"] += res["row_forwards"]
                     a["budget_nodes"] += res["budget_nodes"]
                     a["budget_steps"] += res["budget_steps"]
+                    for shape, n in res["shape_row_steps"].items():
+                        a["shape_row_steps"][shape] = a["shape_row_steps"].get(shape, 0) + n
                     resolved[lab] = res["resolved"] or resolved[lab]
                     if res["draft"] is not None:
                         d = drafts[lab] = drafts[lab] or dict(accepted=[], seconds=0.0, forwards=0, tokens=0.0)
@@ -464,6 +469,13 @@ def run_benchmark(
             # cost_aware=True: optional (drafted) nodes the budget fed per step
             **({"budget_optional_nodes_per_step": med(r["budget_nodes"] / max(r["budget_steps"], 1) for r in runs)}
                if any(r["budget_steps"] for r in runs) else {}),
+            # the batch policy (adaptive=True): the share of row-steps that speculated (did not run a plain step)
+            # and the row-steps of each shape, over every repeat
+            **({"speculated_row_share": med(1.0 - r["shape_row_steps"].get("plain", 0) / sum(r["shape_row_steps"].values())
+                                            for r in runs),
+                "shape_row_steps": {k: sum(r["shape_row_steps"].get(k, 0) for r in runs)
+                                    for k in dict.fromkeys(k for r in runs for k in r["shape_row_steps"])}}
+               if all(r["shape_row_steps"] for r in runs) else {}),
             generated_tokens=med(r["tokens"] for r in runs),
             seconds=med(r["seconds"] for r in runs),
         )
@@ -580,8 +592,9 @@ def plot_batch_sizes(reports: list[dict], path: str | Path) -> bool:
     reports = sorted(reports, key=lambda r: r["batch_size"])
     sizes = [r["batch_size"] for r in reports]
     labels = list(reports[0]["results"])
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4.5))
     for ax, (metric, title) in zip(axes, [("tokens_per_second", "tokens/s (end to end, all rows)"),
+                                          ("speedup_vs_ar", "speed against stock batched (ar = 1)"),
                                           ("tpf", "tokens per forward per row (TPF)")]):
         for i, lab in enumerate(labels):
             ys = [r["results"][lab][metric] if lab in r["results"] else float("nan") for r in reports]
@@ -601,13 +614,14 @@ def format_report(report: dict) -> str:
     """The results as a text table; the first column is as wide as the longest label."""
     w = max(12, *(len(lab) for lab in report["results"])) + 2
     head = (f"{'strategy':<{w}}{'TPF':>6}{'tok/s':>9}{'dec tok/s':>11}{'speedup':>9}{'exact':>7}{'overhead':>10}"
-            f"{'host ms/step':>14}")
+            f"{'host ms/step':>14}{'spec rows':>11}")
     lines = [head, "-" * len(head)]
     for lab, r in report["results"].items():
         lines.append(
             f"{lab:<{w}}{r['tpf']:>6.2f}{r['tokens_per_second']:>9.1f}{r['decode_tokens_per_second']:>11.1f}"
             f"{r['speedup_vs_ar']:>8.2f}x{_exact(r['exact_match_vs_ar']):>7}{r['loop_overhead']:>10.1%}"
             f"{r.get('host_ms_per_step', float('nan')):>14.2f}"
+            + (f"{r['speculated_row_share']:>11.0%}" if "speculated_row_share" in r else f"{'':>11}")
         )
     return "\n".join(lines)
 

@@ -38,8 +38,9 @@ def test_chunked_argmax_matches_stock_and_never_builds_every_nodes_logits(monkey
     ids, mask = prompts(batch)
     rows, handle = _lm_head_rows(model)
     try:
+        # the configured tree every step (adaptive=False): the chunked path must run
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False,
-                             return_dict_in_generate=True, **settings)
+                             return_dict_in_generate=True, adaptive=False, **settings)
         head = GreedyHead.of(model)  # the head of the structure the call ran with (the recording hook is part of it)
     finally:
         handle.remove()
@@ -121,7 +122,7 @@ def test_the_greedy_heads_time_counts_as_model_time_in_stats_and_bench(monkeypat
     monkeypatch.setattr(GreedyHead, "_chunk_bytes", lambda self, device: 3 * vocab * 4)  # the chunked path runs
     ids, mask = prompts(3)
     out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=16, do_sample=False, decoding="jacobi",
-                         block_size=8, return_dict_in_generate=True)
+                         block_size=8, adaptive=False, return_dict_in_generate=True)
     assert 0 < out.stats["greedy_head_seconds"] < out.stats["model_seconds"] < out.stats["wall_seconds"]
 
     from hf_paralleldecode.bench import _ForwardTimer, _one_run

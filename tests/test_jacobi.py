@@ -155,7 +155,7 @@ def test_prefix_is_never_recomputed():
     rec = ForwardRecorder(model)
     try:
         out = model.generate(input_ids=ids, max_new_tokens=max_new, do_sample=False, eos_token_id=None,
-                             decoding="jacobi", block_size=block, return_dict_in_generate=True)
+                             decoding="jacobi", block_size=block, adaptive=False, return_dict_in_generate=True)
     finally:
         rec.restore()
     calls = rec.calls

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import itertools
+from types import SimpleNamespace
+
 import pytest
 import torch
-from models import enabled, prompts, reference
+from models import enabled, prompts, reference, tiny_model
 
+import hf_paralleldecode as hfpd
 from hf_paralleldecode import DraftHead
 from hf_paralleldecode.decoding import policy as policy_module
-from hf_paralleldecode.decoding.draft_tree import TreeBuilder
-from hf_paralleldecode.decoding.policy import Shape, ShapePolicy, first_child_chain, shapes_from
+from hf_paralleldecode.decoding.policy import BatchPolicy, Shape, first_child_prefix, shapes_from
+from hf_paralleldecode.decoding.tree import chain_tree, tree_from_parents
 
 pytestmark = pytest.mark.core
 
@@ -21,20 +25,23 @@ def test_shapes_are_the_configured_tree_then_shorter_chains_without_context_then
     assert shapes_from(1, 4, 4, False) == [Shape(1, 4, 4, False), Shape(1, 2, 2, False), plain]  # no repeats
     assert shapes_from(2, 6, 3, False) == [Shape(2, 6, 3, False), Shape(1, 3, 3, False), Shape(1, 2, 2, False), plain]
     assert plain.label == "plain" and Shape(1, 4, 4, False).label == "chain d4 b4"
+    assert shapes_from(12, 3, 50, True, chains=False) == [Shape(12, 3, 50, True), plain]  # a lookahead window
 
 
-def test_first_child_chain_follows_the_drafters_first_choice_as_far_as_the_tree_holds_it():
-    bld = TreeBuilder(0, budget=6, width=2, max_depth=4, exact=True)
-    children = {0: [(5, -0.1), (6, -2.0)]}
-    while True:
-        wanted = bld.wanted()
-        if not wanted:
-            break
-        for v in wanted:
-            bld.give(v, children.get(v, [(7 + bld.depth[v], -0.2), (9, -3.0)]))
-    chain = first_child_chain(bld, 8)
-    assert [bld.tokens[v] for v in chain] == [5, 8, 9, 10][: len(chain)] and len(chain) >= 3
-    assert first_child_chain(bld, 2) == chain[:2]
+def _verdict(path):
+    return SimpleNamespace(path=torch.tensor(path))
+
+
+def test_first_child_prefix_is_how_far_the_accepted_path_ran_along_first_children():
+    # row 0: root -> 1 (first child) -> 3 (first child of 1) -> 5 (second child of 3)
+    # row 1: root -> 2 (second child of the root)
+    tree = tree_from_parents(torch.tensor([9, 9]), [[9, 1, 2, 3, 4, 5, 6], [9, 1, 2]],
+                             [[-1, 0, 0, 1, 1, 3, 3], [-1, 0, 0]], [[0, 1, 1, 2, 2, 3, 3], [0, 1, 1]])
+    assert first_child_prefix(tree, _verdict([[0, 1, 3, 6], [0, 2, -1, -1]])).tolist() == [2, 0]
+    assert first_child_prefix(tree, _verdict([[0, 1, 3, 5], [0, 1, -1, -1]])).tolist() == [3, 1]
+    assert first_child_prefix(tree, _verdict([[0], [0]])).tolist() == [0, 0]
+    chain = chain_tree(torch.tensor([[4, 5, 6, 7]]), torch.tensor([4]))
+    assert first_child_prefix(chain, _verdict([[0, 1, 2, -1]])).tolist() == [2]
 
 
 def _measured(policy, bucket, seconds, relative):
@@ -44,62 +51,155 @@ def _measured(policy, bucket, seconds, relative):
 
 
 def test_the_policy_measures_every_shape_then_takes_the_best_predicted_rate_and_revisits_the_tree():
-    policy = ShapePolicy(shapes_from(4, 16, 20, True), explore_every=4)
+    policy = BatchPolicy(shapes_from(4, 16, 20, True), explore_every=4)
     first = [policy.choose(16) for _ in range(3)]
     assert first == [0, 0, 0]  # nothing known yet: the configured tree (it feeds the paired counts)
-    _measured(policy, ShapePolicy.bucket(16), seconds=[0.100, 0.050, 0.040, 0.035, 0.030], relative=[0.7, 0.45, 0.3, 0.2])
+    _measured(policy, BatchPolicy.bucket(16), seconds=[0.100, 0.050, 0.040, 0.035, 0.030], relative=[0.7, 0.45, 0.3, 0.2])
     picks = [policy.choose(16) for _ in range(8)]
     assert 1 in picks and picks.count(0) >= 1  # chain-8: 0.7 / 0.05 beats the others; the tree is revisited
-    _measured(policy, ShapePolicy.bucket(1), seconds=[0.020, 0.018, 0.016, 0.015, 0.014], relative=[0.7, 0.45, 0.3, 0.2])
+    _measured(policy, BatchPolicy.bucket(1), seconds=[0.020, 0.018, 0.016, 0.015, 0.014], relative=[0.7, 0.45, 0.3, 0.2])
     assert policy.choose(1) == 0  # at batch 1 the tree is worth its time
 
 
 def test_paired_counts_come_only_from_steps_of_the_configured_tree():
-    policy = ShapePolicy(shapes_from(4, 16, 20, True))
+    policy = BatchPolicy(shapes_from(4, 16, 20, True))  # tree, chain 8, chain 4, chain 2, plain
+    tree = tree_from_parents(torch.tensor([9, 9]), [[9, 1, 2, 3, 4], [9, 1, 2]], [[-1, 0, 1, 2, 3], [-1, 0, 0]],
+                             [[0, 1, 2, 3, 4], [0, 1, 1]])
     policy.choose(2)
-    policy.observe([5, 3], {1: [3, 2], 2: [2, 2], 3: [2, 1], 4: [1, 1]})
-    assert policy.tokens == [8.0, 5.0, 4.0, 3.0, 2.0] and policy.relative_tokens(1) == 5 / 8
-    policy.close()
-    policy.choose(2)
-    policy.observe([2, 2], None)  # a chain step: no counterfactual, the paired sums do not move
-    assert policy.tokens == [8.0, 5.0, 4.0, 3.0, 2.0]
+    verdict = SimpleNamespace(path=torch.tensor([[0, 1, 2, 3, 4], [0, 2, -1, -1, -1]]), num_accepted=torch.tensor([4, 1]))
+    policy.observe(tree, verdict)  # row 0 accepted 4 along first children, row 1 a second child
+    assert policy.tokens == [7.0, 6.0, 6.0, 4.0, 2.0] and policy.relative_tokens(1) == 6 / 7
+    policy.times[(BatchPolicy.bucket(2), 0)] = [0.5, 5.0]  # the tree's time is known: chain 8 is the next to measure
+    policy.choose(2)  # a chain step: its own counts; the paired sums do not move
+    assert policy.index == 1
+    policy.observe(chain_tree(torch.tensor([[9, 1], [9, 1]]), torch.tensor([2, 2])),
+                   SimpleNamespace(path=torch.tensor([[0, 1], [0, -1]]), num_accepted=torch.tensor([1, 0])))
+    assert policy.tokens == [7.0, 6.0, 6.0, 4.0, 2.0] and policy.own[1] == [3.0, 2.0]
+
+
+def test_a_token_cap_keeps_wide_shapes_out_and_the_plain_step_in():
+    policy = BatchPolicy(shapes_from(4, 16, 20, True), max_step_tokens=40)
+    assert policy.allowed(1) == [0, 1, 2, 3, 4]
+    assert policy.allowed(8) == [2, 3, 4]  # 8 x 5 tokens fit, 8 x 9 do not
+    assert policy.allowed(40) == [4]
+    for _ in range(30):
+        assert policy.choose(8) in (2, 3, 4)
+        policy.observe(chain_tree(torch.tensor([[9, 1]] * 8), torch.tensor([2] * 8)),
+                       SimpleNamespace(path=torch.tensor([[0, 1]] * 8), num_accepted=torch.tensor([1] * 8)))
+
+
+def _script(monkeypatch, picks):
+    """Make the policy pick ``picks`` (cycled; an index past the strategy's shapes wraps around)."""
+    choices = itertools.cycle(picks)
+
+    def scripted(self, rows):
+        self.close()
+        k = next(choices) % len(self.shapes)
+        self.used[k] += 1
+        self.row_steps[k] += rows
+        self._pending, self._done = (k, 0, 0.0), False
+        return k
+
+    monkeypatch.setattr(BatchPolicy, "choose", scripted)
+
+
+STRATEGIES = [
+    ("speculative", dict(tree_budget=16, tree_width=3, context_matches=2)),
+    ("jacobi", dict(block_size=6)),
+    ("jacobi_forcing", dict(block_size=3, num_blocks=2, pool_size=2, context_matches=2)),
+    ("lookahead", dict(window_size=3, ngram_size=3, guess_set_size=2, context_matches=1)),
+    ("prompt_lookup", dict(num_tokens=4, max_matches=3)),
+]
+
+
+def _settings(model, decoding, settings):
+    if decoding == "speculative":
+        torch.manual_seed(0)
+        return {**settings, "drafter": DraftHead.for_target(model, attention="block_bidirectional", block_size=8)}
+    return settings
 
 
 @pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_output_is_exact_whichever_shapes_the_policy_picks(monkeypatch, arch, batch):
-    """Make the chains look fast: the run switches shapes between steps, and the output is still stock greedy."""
+@pytest.mark.parametrize("decoding, settings", STRATEGIES, ids=[d for d, _ in STRATEGIES])
+def test_output_is_exact_whichever_shapes_the_policy_picks(monkeypatch, arch, batch, decoding, settings):
+    """The shapes switch between steps (plain steps back to back too), and the output is still stock greedy."""
     model = enabled(arch)
-    torch.manual_seed(0)
-    head = DraftHead.for_target(model, attention="block_bidirectional", block_size=8)
-    choices = iter([0, 1, 4, 2, 0, 3, 4, 4, 1] * 20)  # plain steps too, back to back
-
-    def scripted(self, rows):
-        k = next(choices)
-        self.used[k] += 1
-        self._pending, self._done = (k, 0, 0.0), False
-        return k
-
-    monkeypatch.setattr(ShapePolicy, "choose", scripted)
+    _script(monkeypatch, [0, 1, -1, 2, 0, 3, -1, -1, 1])
     ids, mask = prompts(batch)
-    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False,
-                         decoding="speculative", drafter=head, tree_budget=16, tree_width=3, context_matches=2,
-                         return_dict_in_generate=True)
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False, decoding=decoding,
+                         return_dict_in_generate=True, **_settings(model, decoding, settings))
     torch.testing.assert_close(out.sequences, reference(arch, batch, 24), rtol=0, atol=0)
-    assert len(out.stats["shape_steps"]) == 5
+    assert len(out.stats["shape_steps"]) >= 2 and 0 < out.stats["speculated_row_share"] < 1
 
 
-def test_sampling_keeps_the_configured_shape_and_measurements_carry_over():
+@pytest.mark.parametrize("decoding, settings", STRATEGIES, ids=[d for d, _ in STRATEGIES])
+def test_the_policy_is_on_by_default_and_its_measurements_carry_over(decoding, settings):
     model = enabled("llama")
-    torch.manual_seed(0)
-    head = DraftHead.for_target(model, attention="block_bidirectional", block_size=8)
+    settings = _settings(model, decoding, settings)
     ids, mask = prompts(2)
-    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=True,
-                         decoding="speculative", drafter=head, return_dict_in_generate=True)
+    for sample in (False, True):  # greedy and sampled runs both use it
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=sample,
+                             decoding=decoding, return_dict_in_generate=True, **settings)
+        assert out.stats["shape_steps"] and out.stats["adaptive"] is True
+    owner = settings.get("drafter", model)
+    assert any(key[0] == decoding for key in policy_module._MEMORY[owner])
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, decoding=decoding, adaptive=False,
+                         return_dict_in_generate=True, **settings)
     assert "shape_steps" not in out.stats
-    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
-                         decoding="speculative", drafter=head, return_dict_in_generate=True)
-    assert out.stats["shape_steps"] and head in policy_module._MEMORY
-    with pytest.raises(ValueError, match="adaptive"):
-        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, decoding="speculative", drafter=head,
-                       adaptive="yes")
+
+
+@pytest.mark.parametrize("decoding, settings", STRATEGIES, ids=[d for d, _ in STRATEGIES])
+def test_a_one_token_cap_makes_every_step_plain_and_exact(decoding, settings):
+    model = enabled("qwen3")
+    ids, mask = prompts(3)
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False, decoding=decoding,
+                         max_step_tokens=1, return_dict_in_generate=True, **_settings(model, decoding, settings))
+    torch.testing.assert_close(out.sequences, reference("qwen3", 3, 24), rtol=0, atol=0)
+    assert set(out.stats["shape_steps"]) == {"plain"} and out.stats["speculated_row_share"] == 0
+
+
+@pytest.mark.parametrize("decoding", [d for d, _ in STRATEGIES])
+def test_bad_policy_settings_are_refused_before_any_forward(decoding):
+    model = enabled("llama")
+    ids, mask = prompts(1)
+    for bad, match in ((dict(adaptive="yes"), "adaptive"), (dict(max_step_tokens=0), "max_step_tokens"),
+                       (dict(max_step_tokens=2.5), "max_step_tokens"),
+                       (dict(adaptive=False, max_step_tokens=64), "adaptive=True")):
+        with pytest.raises(ValueError, match=match):
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, decoding=decoding,
+                           **_settings(model, decoding, {}), **bad)
+
+
+VOCAB, NEW, ROWS = 5, 3, 4000
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("picks", [[-1, 0, 1], [1, -1, 0], [0, 2, -1]], ids=["plain-tree-chain", "chain-plain-tree",
+                                                                           "tree-chain-plain"])
+@pytest.mark.parametrize("decoding, settings", [
+    ("speculative", dict(tree_budget=6, tree_width=2, tree_depth=3, context_matches=2, context_tokens=2,
+                         context_ngram_size=1)),
+    ("jacobi", dict(block_size=4, jacobi_init="repeat")),
+    ("jacobi_forcing", dict(block_size=2, pool_size=1, context_matches=2, context_tokens=2, context_ngram_size=1)),
+    ("lookahead", dict(window_size=2, ngram_size=3)),
+    ("prompt_lookup", dict(num_tokens=2, max_ngram_size=1, max_matches=4)),
+], ids=["speculative", "jacobi", "jacobi_forcing", "lookahead", "prompt_lookup"])
+def test_sampled_output_is_distributed_as_stock_whichever_shapes_the_policy_picks(monkeypatch, decoding, settings,
+                                                                                  picks):
+    from test_sampling import chi_square_two_sample, outcomes
+
+    model = hfpd.enable(tiny_model("llama", vocab_size=VOCAB, initializer_range=0.05))
+    ids = torch.tensor([[3, 4, 0, 3, 1, 4, 2, 0, 1, 3, 2, 4, 1, 0, 2, 1, 4, 4, 0, 0, 3, 3, 2, 2, 3]]).repeat(ROWS, 1)
+    kwargs = dict(input_ids=ids, max_new_tokens=NEW, do_sample=True, temperature=1.3, top_k=4, eos_token_id=None)
+    torch.manual_seed(0)
+    stock = model.generate(**kwargs)
+    if decoding == "speculative":
+        torch.manual_seed(0)
+        settings = {**settings, "drafter": DraftHead.for_target(model, attention="block_bidirectional", block_size=4)}
+    _script(monkeypatch, picks)
+    torch.manual_seed(1)
+    ours = model.generate(**kwargs, decoding=decoding, return_dict_in_generate=True, **settings)
+    assert sum(ours.stats["shape_steps"].values()) >= 2  # (lookahead has two shapes: chain-plain-tree is plain twice)
+    p = chi_square_two_sample(outcomes(stock, ids.shape[1]), outcomes(ours.sequences, ids.shape[1]), VOCAB**NEW)
+    assert p > 1e-3, f"sampled distribution differs from stock sampling (p={p:.2e})"

@@ -395,6 +395,24 @@ class Proposer:
 
     stats: dict = {}
     cost_budget = None  # a budget.CostAwareBudget when the proposer packs under one (the loop feeds it timings and verdicts)
+    #: a :class:`~.policy.BatchPolicy` when the proposer lets the batch policy pick each step's shape (the loop asks
+    #: it before :meth:`propose` and tells it the verdict after); ``None``: the configured tree every step
+    policy = None
+
+    @property
+    def shape(self):
+        """The :class:`~.policy.Shape` of the step being proposed, ``None`` without a policy (the configured tree)."""
+        return self.policy.current if self.policy is not None else None
+
+    @property
+    def configured_step(self) -> bool:
+        """Whether this step feeds the configured tree (always, without a policy)."""
+        return self.policy is None or self.policy.index == 0
+
+    @property
+    def plain_step(self) -> bool:
+        """Whether this step feeds each row's last committed token alone (the policy's plain shape)."""
+        return self.policy is not None and self.policy.current.plain
 
     def propose(self) -> PackedTree:  # pragma: no cover - interface
         raise NotImplementedError
@@ -436,16 +454,23 @@ def decode(model, name, make_proposer, input_ids, logits_processor, stopping_cri
                 proposer.select(kept)
             if run.rows.numel() == 0:
                 break
-            budget = proposer.cost_budget
+            budget, policy = proposer.cost_budget, proposer.policy
             if budget is not None:
                 budget.observe(run.target.seconds, fed)
+            if policy is not None:
+                policy.choose(int(run.rows.numel()))
             tree = proposer.propose()
             verdict = run.step(tree)
             fed = tree.tokens.numel()
             if budget is not None:
                 budget.learn(tree, verdict)
+            if policy is not None:
+                policy.observe(tree, verdict)
             proposer.update(tree, verdict)
         proposer.finish()
+        if proposer.policy is not None:
+            proposer.policy.finish()
+            run.stats.update(proposer.policy.stats)
         run.stats.update(proposer.stats)
         run.draft_stats = getattr(proposer, "draft_stats", None)
         if proposer.cost_budget is not None:

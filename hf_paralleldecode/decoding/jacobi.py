@@ -35,6 +35,7 @@ import torch
 
 from ..hardware import preset_settings
 from .base import Proposer, check_int_setting, checks_settings, decode
+from .policy import batch_policy, check_policy_settings, shapes_from
 from .tree import chain_tree
 
 __all__ = ["jacobi", "JACOBI_INITS"]
@@ -42,7 +43,8 @@ __all__ = ["jacobi", "JACOBI_INITS"]
 JACOBI_INITS = ("random_context", "repeat")
 
 
-def _check_jacobi_settings(block_size, jacobi_init, jacobi_seed):
+def _check_jacobi_settings(block_size, jacobi_init, jacobi_seed, adaptive=True, max_step_tokens=None):
+    check_policy_settings(adaptive, max_step_tokens)
     if block_size is not None:  # None: the device preset (hardware_preset)
         check_int_setting("block_size", block_size, 1)
     if jacobi_init not in JACOBI_INITS:
@@ -58,8 +60,12 @@ class JacobiProposer(Proposer):
     counting ``draft[:, 0]``.
     """
 
-    def __init__(self, run, block_size: int, init: str, seed: int):
+    def __init__(self, run, block_size: int, init: str, seed: int, adaptive: bool = False,
+                 max_step_tokens: int | None = None):
         self.run = run
+        # shapes: the rest of the block (configured), at most 9 / 5 / 3 of its tokens, the last committed token alone
+        self.policy = batch_policy(run, shapes_from(1, block_size - 1, block_size - 1, False), run.model, adaptive,
+                                   max_step_tokens) if block_size > 1 else None
         self.n = block_size
         self.init = init
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
@@ -74,10 +80,11 @@ class JacobiProposer(Proposer):
         return chain_tree(self.draft[:, : int(widths.max())], widths)
 
     def widths(self) -> torch.Tensor:
-        """Tokens to feed per row: the rest of the block, capped by the row's token budget."""
+        """Tokens to feed per row: the rest of the block, capped by the row's token budget and the step's shape."""
         log = self.run.log
         budget = log.max_new_tokens - log.count[self.run.rows]
-        return torch.minimum(self.block_left, budget)
+        widths = torch.minimum(self.block_left, budget)
+        return widths if self.configured_step else widths.clamp(max=self.shape.depth + 1)
 
     def select(self, keep: torch.Tensor) -> None:
         self.draft, self.block_left = self.draft[keep], self.block_left[keep]
@@ -86,8 +93,10 @@ class JacobiProposer(Proposer):
         """Jacobi update after a forward: the target's choices ``[active, width]`` and accepted counts."""
         choices, accepted = verdict.choices, verdict.num_accepted
         width = choices.shape[1]
-        idx = (accepted[:, None] + torch.arange(self.n, device=choices.device)).clamp(max=width - 1)
-        self.draft = choices.gather(1, idx)  # bonus token, then the Jacobi update of the rest
+        src = accepted[:, None] + torch.arange(self.n, device=choices.device)  # old position of each new one, - 1
+        # bonus token, then the Jacobi update of the fed positions, then the guesses a shorter step did not feed
+        self.draft = torch.where(src < tree.num_nodes[:, None], choices.gather(1, src.clamp(max=width - 1)),
+                                 self.draft.gather(1, (src + 1).clamp(max=self.n - 1)))
         self.block_left = self.block_left - (accepted + 1)
         finished = self.block_left <= 0
         if bool(finished.any()):
@@ -116,6 +125,8 @@ def jacobi(
     block_size: int | None = None,
     jacobi_init: str = "random_context",
     jacobi_seed: int = 0,
+    adaptive: bool = True,
+    max_step_tokens: int | None = None,
     pd_streamer=None,
     **model_kwargs,
 ):
@@ -131,15 +142,23 @@ def jacobi(
         jacobi_init: how the guesses of a new block are initialised, ``"random_context"`` or
             ``"repeat"`` (see the module docstring). Changes speed only, never the output.
         jacobi_seed: seed of the generator used by ``"random_context"``.
+        adaptive: let the batch policy (:mod:`hf_paralleldecode.decoding.policy`) pick each step's shape for
+            the whole batch from measured committed tokens per second: the rest of the block (configured), at
+            most 9, 5 or 3 of its tokens, or the last committed token alone (the guesses not fed wait for a
+            later step; the measurements carry over to the model's next call). ``False`` feeds the rest of the
+            block every step.
+        max_step_tokens: with ``adaptive``, the most tokens one forward may feed for the whole batch.
         pd_streamer (BaseStreamer | None): streamer receiving committed tokens. ``decoding=`` routes ``streamer=`` here;
             with ``custom_generate=jacobi`` pass ``pd_streamer=`` yourself, because transformers
             does not hand ``streamer`` to ``custom_generate`` callables (it would only see the prompt).
     """
-    _check_jacobi_settings(block_size, jacobi_init, jacobi_seed)
+    _check_jacobi_settings(block_size, jacobi_init, jacobi_seed, adaptive, max_step_tokens)
     preset, resolved = preset_settings(model, "jacobi", block_size=block_size)
     block_size = resolved["block_size"]
     return decode(
-        model, "jacobi", lambda run: JacobiProposer(run, block_size, jacobi_init, jacobi_seed), input_ids,
+        model, "jacobi", lambda run: JacobiProposer(run, block_size, jacobi_init, jacobi_seed, adaptive, max_step_tokens),
+        input_ids,
         logits_processor, stopping_criteria, generation_config, streamer, model_kwargs,
-        dict(block_size=block_size, hardware_preset=preset), pd_streamer=pd_streamer,
+        dict(block_size=block_size, adaptive=adaptive, max_step_tokens=max_step_tokens, hardware_preset=preset),
+        pd_streamer=pd_streamer,
     )

@@ -40,6 +40,7 @@ import torch
 from ..hardware import preset_settings
 from .base import check_int_setting, checks_settings, decode
 from .ngram_pool import NgramPool
+from .policy import batch_policy, check_policy_settings, shapes_from
 from .prompt_lookup import CONTEXT, GUESSES, POOL, ComposedTreeProposer, check_context_settings
 
 __all__ = ["jacobi_forcing", "GPU_DEFAULTS", "CPU_DEFAULTS"]
@@ -56,8 +57,10 @@ CPU_DEFAULTS = dict(block_size=4, num_blocks=2, activation_ratio=0.85, pool_size
 
 
 def _check_settings(block_size, num_blocks, activation_ratio, pool_size, ngram_size, jacobi_seed, context_matches=None,
-                    context_tokens=None, context_ngram_size=3, tree_budget=None, cost_aware=False):
+                    context_tokens=None, context_ngram_size=3, tree_budget=None, cost_aware=False, adaptive=True,
+                    max_step_tokens=None):
     """Values as given; ``None`` means "the device preset" and is filled in by :func:`_resolve_settings`."""
+    check_policy_settings(adaptive, max_step_tokens)
     check_context_settings(context_matches, context_tokens, context_ngram_size, tree_budget, cost_aware)
     for name, value, low in (("block_size", block_size, 1), ("num_blocks", num_blocks, 1), ("pool_size", pool_size, 0),
                              ("ngram_size", ngram_size, 2), ("jacobi_seed", jacobi_seed, 0)):
@@ -92,8 +95,15 @@ class MultiblockProposer(ComposedTreeProposer):
     """
 
     def __init__(self, run, n, num_blocks, ratio, pool_size, ngram_size, seed, context_matches=0, context_tokens=10,
-                 context_ngram_size=3, tree_budget=None, cost_aware=False):
+                 context_ngram_size=3, tree_budget=None, cost_aware=False, adaptive=False, max_step_tokens=None):
         self.run, self.n, self.K, self.r = run, n, num_blocks, ratio
+        # shapes: chain + context + recycled (configured), the chain cut to 8 / 4 / 2 guesses, a plain step
+        guesses = n * num_blocks - 1
+        nodes = guesses + context_matches * context_tokens + pool_size * (ngram_size - 1)
+        budget = nodes if tree_budget is None else min(nodes, tree_budget)
+        self.policy = batch_policy(
+            run, shapes_from(1 + context_matches + pool_size, max(guesses, context_tokens if context_matches else 0),
+                             budget, bool(context_matches or pool_size)), run.model, adaptive, max_step_tokens)
         self.compose(run, context_matches, context_tokens, context_ngram_size, tree_budget, cost_aware,
                      mandatory=(GUESSES,))  # the chain: its Jacobi update reads those nodes
         self.pool_size, self.ngram = pool_size, ngram_size
@@ -132,6 +142,11 @@ class MultiblockProposer(ComposedTreeProposer):
         counts = self.run.log.host_counts(self.run.rows.tolist())
         context = self.context_candidates(counts)
         roots, cands, sources = [], [], []
+        if not self.configured_step:  # the chain alone, cut to the shape's depth (a plain step: none of it)
+            rows = self.run.rows
+            roots = [self.chain[r][0] for r in rows.tolist()]
+            cands = [[self.chain[r][1: self.shape.depth + 1][: self._limit(r) - c]] for r, c in zip(rows.tolist(), counts)]
+            return self.pack(torch.tensor(roots, device=rows.device), cands, [[GUESSES] for _ in cands])
         for i, r in enumerate(self.run.rows.tolist()):
             chain = self.chain[r]
             found = context[i]
@@ -146,7 +161,8 @@ class MultiblockProposer(ComposedTreeProposer):
         choices_l, committed = verdict.choices.tolist(), verdict.tokens.tolist()
         counts = (verdict.num_accepted + 1).tolist()
         fills = self.run.context_draw(self.n, self.generator)
-        chain_nodes = tree.candidate_index[:, 0].tolist()  # the chain is candidate 0 (only its nodes are read)
+        configured = self.configured_step
+        chain_nodes = tree.candidate_index[:, 0].tolist() if tree.candidate_index.shape[1] else [[] for _ in counts]  # the chain is candidate 0 (only its nodes are read)
         for i, r in enumerate(self.run.rows.tolist()):
             old = self.chain[r]
             nodes = [0] + [m for m in chain_nodes[i] if m >= 0]  # main-chain node of each chain position
@@ -170,7 +186,10 @@ class MultiblockProposer(ComposedTreeProposer):
             self._stats["recycled_wins"] += int(a - 1 > main)
             # Jacobi update of the rest of the chain; recycle its n-grams
             bonus = committed[i][a - 1]
-            new_chain = [bonus] + update[a : len(nodes) - 1]
+            if configured:
+                new_chain = [bonus] + update[a : len(nodes) - 1]
+            else:  # a shorter step: the positions it did not feed keep their guesses
+                new_chain = [bonus] + [update[p - 1] if p <= len(nodes) else old[p] for p in range(a + 1, len(old))]
             if self.pool_size:  # tail n-grams are shorter, never empty
                 self.pool.add_windows(r, new_chain, self.ngram, start=1)
             self.chain[r] = new_chain
@@ -205,6 +224,8 @@ def jacobi_forcing(
     context_ngram_size: int = 3,
     tree_budget: int | None = None,
     cost_aware: bool = False,
+    adaptive: bool = True,
+    max_step_tokens: int | None = None,
     pd_streamer=None,
     **model_kwargs,
 ):
@@ -228,18 +249,25 @@ def jacobi_forcing(
         tree_budget: drafted nodes per step at most (``None``: no cap); the chain comes first.
         cost_aware: feed the optional nodes (context and recycled candidates) only when their
             expected gain pays for their cost on this device (``hf_paralleldecode.decoding.budget``).
+        adaptive: let the batch policy (:mod:`hf_paralleldecode.decoding.policy`) pick each step's shape for
+            the whole batch from measured committed tokens per second: the chain with context and recycled
+            candidates (configured), the chain alone cut to 8, 4 or 2 guesses, or a plain step (the guesses
+            not fed wait for a later step; the measurements carry over to the model's next call). ``False``
+            feeds the configured tree every step.
+        max_step_tokens: with ``adaptive``, the most tokens one forward may feed for the whole batch.
         pd_streamer (BaseStreamer | None): see :func:`hf_paralleldecode.jacobi`.
     """
     preset, settings = _resolve_settings(
         model, block_size=block_size, num_blocks=num_blocks, activation_ratio=activation_ratio, pool_size=pool_size,
         ngram_size=ngram_size, jacobi_seed=jacobi_seed, context_matches=context_matches, context_tokens=context_tokens,
-        context_ngram_size=context_ngram_size, tree_budget=tree_budget, cost_aware=cost_aware)
+        context_ngram_size=context_ngram_size, tree_budget=tree_budget, cost_aware=cost_aware, adaptive=adaptive,
+        max_step_tokens=max_step_tokens)
     return decode(
         model, "jacobi_forcing",
         lambda run: MultiblockProposer(run, settings["block_size"], settings["num_blocks"], settings["activation_ratio"],
                                        settings["pool_size"], settings["ngram_size"], jacobi_seed,
                                        settings["context_matches"], settings["context_tokens"], context_ngram_size,
-                                       tree_budget, cost_aware),
+                                       tree_budget, cost_aware, adaptive, max_step_tokens),
         input_ids, logits_processor, stopping_criteria, generation_config, streamer, model_kwargs,
         {**{k: v for k, v in settings.items() if k != "jacobi_seed"}, "hardware_preset": preset},
         pd_streamer=pd_streamer,

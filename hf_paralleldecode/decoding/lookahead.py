@@ -38,13 +38,15 @@ import torch
 from ..hardware import preset_settings
 from .base import check_int_setting, checks_settings, decode
 from .ngram_pool import NgramPool
+from .policy import batch_policy, check_policy_settings, shapes_from
 from .prompt_lookup import CONTEXT, GUESSES, POOL, ComposedTreeProposer, check_context_settings
 
 __all__ = ["lookahead"]
 
 
 def _check_settings(window_size, ngram_size, guess_set_size, pool_from_prompt, lookahead_seed, context_matches,
-                    context_tokens, context_ngram_size, tree_budget, cost_aware):
+                    context_tokens, context_ngram_size, tree_budget, cost_aware, adaptive=True, max_step_tokens=None):
+    check_policy_settings(adaptive, max_step_tokens)
     # None: the device preset (hardware_preset), filled in before the run
     check_context_settings(context_matches, context_tokens, context_ngram_size, tree_budget, cost_aware)
     for name, value, low in (("window_size", window_size, 1), ("ngram_size", ngram_size, 2),
@@ -61,8 +63,15 @@ class LookaheadProposer(ComposedTreeProposer):
 
     def __init__(self, run, window: int, ngram: int, guesses: int, pool_from_prompt: bool, seed: int,
                  context_matches: int = 0, context_tokens: int = 10, context_ngram_size: int = 3,
-                 tree_budget: int | None = None, cost_aware: bool = False):
+                 tree_budget: int | None = None, cost_aware: bool = False, adaptive: bool = False,
+                 max_step_tokens: int | None = None):
         self.run, self.W, self.N, self.G = run, window, ngram, guesses
+        # shapes: the window with context and pool candidates (configured) or a plain step; the window needs
+        # every one of its nodes, so there is no shorter chain
+        nodes = window * (ngram - 1) + context_matches * context_tokens + guesses * (ngram - 1)
+        budget = nodes if tree_budget is None else min(nodes, tree_budget)
+        self.policy = batch_policy(run, shapes_from(window + context_matches + guesses, ngram - 1, budget, True,
+                                                    chains=False), run.model, adaptive, max_step_tokens)
         self.compose(run, context_matches, context_tokens, context_ngram_size, tree_budget, cost_aware,
                      mandatory=(GUESSES,))  # the window: its update reads those nodes
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
@@ -84,6 +93,9 @@ class LookaheadProposer(ComposedTreeProposer):
     def propose(self):
         """Window columns first (their nodes are read back in ``update``), then context matches and pool n-grams."""
         log = self.run.log
+        if self.plain_step:
+            rows = self.run.rows.tolist()
+            return self.pack(torch.tensor([self.roots[r] for r in rows], device=self.run.rows.device), [[] for _ in rows], [])
         counts = log.host_counts(self.run.rows.tolist())
         context = self.context_candidates(counts)
         roots, cands, sources = [], [], []
@@ -109,6 +121,12 @@ class LookaheadProposer(ComposedTreeProposer):
         choices_l, accepted_l = verdict.choices.tolist(), verdict.num_accepted.tolist()
         committed = verdict.tokens.tolist()
         fills = self.run.context_draw(self.W, self.generator)
+        if self.plain_step:  # one token committed, no window node fed: every level slides by one column
+            for i, r in enumerate(self.run.rows.tolist()):
+                self.roots[r] = committed[i][0]
+                self.levels[r] = [lv[1:] + fills[i][len(lv) - 1:] for lv in self.levels[r]]
+                self.ages[r] = self.ages[r][1:] + [0]
+            return
         for i, r in enumerate(self.run.rows.tolist()):
             levels, ages, fill = self.levels[r], self.ages[r], fills[i]
             self.roots[r] = committed[i][accepted_l[i]]  # the bonus token is the next root
@@ -149,6 +167,8 @@ def lookahead(
     context_ngram_size: int = 3,
     tree_budget: int | None = None,
     cost_aware: bool = False,
+    adaptive: bool = True,
+    max_step_tokens: int | None = None,
     pd_streamer=None,
     **model_kwargs,
 ):
@@ -171,10 +191,14 @@ def lookahead(
         tree_budget: drafted nodes per step at most (``None``: no cap); window columns come first.
         cost_aware: feed the optional nodes (context and pool candidates) only when their expected
             gain pays for their cost on this device (``hf_paralleldecode.decoding.budget``).
+        adaptive: let the batch policy (:mod:`hf_paralleldecode.decoding.policy`) pick, each step, between the
+            window with its candidates and a plain step for the whole batch, from measured committed tokens per
+            second (the measurements carry over to the model's next call). ``False`` feeds the window every step.
+        max_step_tokens: with ``adaptive``, the most tokens one forward may feed for the whole batch.
         pd_streamer (BaseStreamer | None): see :func:`hf_paralleldecode.jacobi`.
     """
     _check_settings(window_size, ngram_size, guess_set_size, pool_from_prompt, lookahead_seed, context_matches,
-                    context_tokens, context_ngram_size, tree_budget, cost_aware)
+                    context_tokens, context_ngram_size, tree_budget, cost_aware, adaptive, max_step_tokens)
     preset, s = preset_settings(model, "lookahead", window_size=window_size, ngram_size=ngram_size,
                                 guess_set_size=guess_set_size, context_matches=context_matches)
     window_size, ngram_size, guess_set_size, context_matches = (
@@ -182,10 +206,12 @@ def lookahead(
     return decode(
         model, "lookahead",
         lambda run: LookaheadProposer(run, window_size, ngram_size, guess_set_size, pool_from_prompt, lookahead_seed,
-                                      context_matches, context_tokens, context_ngram_size, tree_budget, cost_aware),
+                                      context_matches, context_tokens, context_ngram_size, tree_budget, cost_aware,
+                                      adaptive, max_step_tokens),
         input_ids, logits_processor, stopping_criteria, generation_config, streamer, model_kwargs,
         dict(window_size=window_size, ngram_size=ngram_size, guess_set_size=guess_set_size,
              context_matches=context_matches, context_tokens=context_tokens, context_ngram_size=context_ngram_size,
-             tree_budget=tree_budget, cost_aware=cost_aware, hardware_preset=preset),
+             tree_budget=tree_budget, cost_aware=cost_aware, adaptive=adaptive, max_step_tokens=max_step_tokens,
+             hardware_preset=preset),
         pd_streamer=pd_streamer,
     )

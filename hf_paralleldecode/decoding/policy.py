@@ -1,34 +1,47 @@
-"""The batch's tree shape per step: committed tokens per second predicted from paired acceptance and step times.
+"""The batch policy: each step, how much of its tree the whole batch feeds, from measured committed tokens per second.
 
 Why
-    What pays depends on the batch: at batch 1 a wide tree with context matches is nearly free (a forward
-    of 21 tokens costs about what one token costs), while at batch 16 on a CPU the same tree costs 16 x 21
-    tokens plus a drafter forward over 16 rows and the host work of 16 trees, and a short chain commits
-    more tokens per second. No fixed setting is right for every batch.
+    What pays depends on the batch and the device: at batch 1 a wide tree with context matches is nearly free (a
+    forward of 21 tokens costs about what one token costs), while at batch 16 on a CPU the same tree costs 16 x 21
+    tokens plus a drafter forward over 16 rows and the host work of 16 trees, and a short chain, or no speculation
+    at all, commits more tokens per second. No fixed setting is right for every batch, every model and every text.
+
+Shapes
+    Every strategy offers a few *shapes* (:class:`Shape`): its configured tree first, then chains of at most 8, 4 and
+    2 levels along its first choice (a drafter's chain without context matches, the first context match, a
+    Jacobi block cut short), and a *plain* step that feeds the last committed token alone: ordinary decoding, no
+    drafter forward. Strategies whose state needs every node of their tree (a lookahead window) offer the
+    configured tree and the plain step only. The rows of one step share its shape, because a forward costs what
+    its widest row costs (the rows are padded to one width); each row fills the shape with its own best nodes.
 
 The rule
-    :class:`ShapePolicy` holds a few *shapes*: the configured tree, chains (one child per node, no
-    context matches) of at most 8, 4 and 2 levels, and a plain step that drafts nothing (no drafter
-    forward; the drafter catches up on the committed tokens at its next forward) (:func:`shapes_from`). Each step it picks the shape with the
-    highest predicted rate for the active rows ``b``::
+    Each step :class:`BatchPolicy` picks the allowed shape with the highest predicted rate for the ``b`` active rows::
 
         rate(shape) = b * tokens(shape) / seconds(shape, b)
 
-    * ``tokens(shape)``, committed tokens per row and step, is compared *paired*: on every step that ran
-      the configured tree, the tokens each chain would have committed are read off the same verification
-      (the accepted length along the tree's first-child path, which is the chain the drafter would have
-      drafted). A chain's tokens are the tree's times the ratio of these sums, so the shapes are compared
-      on the same text (steps of a chain alone would compare it on other text).
-    * ``seconds(shape, b)``, the wall time of a step (drafter, verification forward, host work), is
-      measured per shape and per batch-size bucket (powers of two of the active rows). It depends on the
-      shape and the batch, hardly on the text. A shape is run ``min_samples`` times in a bucket before its
-      time is trusted, and the configured tree every ``explore_every`` steps (it feeds the paired counts).
-    Measurements carry over to the next call with the same drafter, device and dtype. Greedy decoding
-    only: with sampling the chains' counterfactual acceptance is not observable, and the configured tree
-    is used (as when ``adaptive=False``).
+    * ``tokens(shape)``, committed tokens per row and step, is compared *paired*: on every step of the configured
+      tree, the tokens each chain would have committed are read off the same verification
+      (:func:`first_child_prefix`: how far the accepted path ran along the tree's first children, which is the
+      chain; with sampling the draws are shared, so this holds for sampled steps as well). A chain's tokens are the
+      tree's times the ratio of these sums, so shapes are compared on the same text; a plain step commits exactly
+      one token. Without any step of the configured tree (a token cap excludes it), shapes are compared on their
+      own steps.
+    * ``seconds(shape, b)``, the wall time of a step (drafter, verification forward, host work), is measured per
+      shape and per batch-size bucket (powers of two of the active rows): it depends on the shape, the batch and the
+      device, hardly on the text. A shape is run ``min_samples`` times in a bucket before its time is trusted, and
+      the configured tree every ``explore_every`` steps (it feeds the paired counts).
+
+    Measurements carry over to the next call of the same owner (the drafter, or the model) with the same device,
+    dtype and shapes, so a server's first call pays the exploration once.
+
+Caps a user sets
+    ``tree_budget`` caps the configured tree (so every shape); ``max_step_tokens`` caps the tokens one verification
+    forward feeds for the whole batch (rows x nodes per row, the root included), a latency budget per step: shapes
+    over it are not used at that batch size (the plain step always is).
 
 Lossless
-    The choice uses only earlier steps, never this step's drafts: greedy output stays the model's own.
+    The choice uses only earlier steps, never this step's drafts or draws: greedy output stays the model's own and
+    sampled output keeps stock sampling's distribution.
 """
 
 from __future__ import annotations
@@ -37,7 +50,13 @@ import time
 import weakref
 from dataclasses import dataclass
 
-__all__ = ["Shape", "ShapePolicy", "shapes_from", "first_child_chain"]
+import torch
+
+__all__ = ["Shape", "BatchPolicy", "ShapePolicy", "shapes_from", "chain_shapes", "first_child_prefix",
+           "PLAIN", "CHAIN_DEPTHS"]
+
+#: the depths of the chains every strategy offers besides its configured tree (cut to the configured depth)
+CHAIN_DEPTHS = (8, 4, 2)
 
 
 @dataclass(frozen=True)
@@ -50,46 +69,67 @@ class Shape:
     context: bool
 
     @property
+    def plain(self) -> bool:
+        """A step that feeds the last committed token only (ordinary decoding)."""
+        return self.depth == 0
+
+    @property
     def label(self) -> str:
-        if self.depth == 0:
+        if self.plain:
             return "plain"
         kind = "chain" if self.width == 1 else f"tree w{self.width}"
         return f"{kind} d{self.depth} b{self.budget}" + (" +context" if self.context else "")
 
 
-def shapes_from(width: int, depth: int, budget: int, context: bool) -> list[Shape]:
-    """The configured shape first, then chains of at most 8, 4 and 2 levels without context matches
-    (deduplicated), and a plain step (no drafter forward, the target's next token only)."""
+PLAIN = Shape(1, 0, 0, False)
+
+
+def shapes_from(width: int, depth: int, budget: int, context: bool, chains: bool = True) -> list[Shape]:
+    """The configured shape first, then (``chains``) chains of at most 8, 4 and 2 levels without context matches
+    (deduplicated), and the plain step."""
     out = [Shape(width, depth, budget, context)]
-    for d in (8, 4, 2, 0):
+    for d in CHAIN_DEPTHS if chains else ():
         chain = Shape(1, min(depth, d, budget), min(depth, d, budget), False)
-        if chain not in out:
+        if chain not in out and chain.depth > 0:
             out.append(chain)
+    if PLAIN not in out:
+        out.append(PLAIN)
     return out
 
 
-def first_child_chain(builder, limit: int) -> list[int]:
-    """The nodes of ``builder``'s tree along the drafter's first choice at each level (at most ``limit``): the chain
-    a one-child drafting of the same drafter would have drafted, as far as the tree holds it."""
-    child = {(p, t): v for v, (p, t) in enumerate(zip(builder.parents, builder.tokens)) if v}
-    out, node = [], 0
-    while len(out) < limit and builder.children.get(node):
-        nxt = child.get((node, builder.children[node][0][0]))
-        if nxt is None:
-            break
-        out.append(nxt)
-        node = nxt
-    return out
+def chain_shapes(depth: int, budget: int | None = None, context: bool = False, width: int = 1,
+                 chains: bool = True) -> list[Shape]:
+    """:func:`shapes_from` for a strategy whose configured tree is ``depth`` levels deep with ``budget`` drafted
+    nodes at most (default: ``depth``)."""
+    return shapes_from(width, depth, depth if budget is None else budget, context, chains)
+
+
+def first_child_prefix(tree, verdict) -> torch.Tensor:
+    """``[batch]``: how many of each row's accepted nodes are, one after the other from the root, the first child
+    (the lowest node index, the first tried) of the node before: what the chain along the tree's first children
+    would have accepted on this very step (greedy: the same argmaxes; sampled: the same draws)."""
+    parents = tree.parents
+    batch, width = parents.shape
+    index = torch.arange(width, device=parents.device).expand(batch, width)
+    first = torch.full((batch, width + 1), width, dtype=torch.long, device=parents.device)
+    first.scatter_reduce_(1, torch.where(parents >= 0, parents, width), index, reduce="amin", include_self=True)
+    path = verdict.path
+    if path.shape[1] < 2:
+        return torch.zeros(batch, dtype=torch.long, device=parents.device)
+    nxt = path[:, 1:]
+    ok = (nxt >= 0) & (nxt == first.gather(1, path[:, :-1].clamp(min=0)))
+    return ok.long().cumprod(1).sum(1)
 
 
 _MEMORY: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # owner -> {key: measurements of its last call}
 
 
-class ShapePolicy:
+class BatchPolicy:
     """Chooses each step's :class:`Shape` for the batch (module docstring); one per ``generate`` call.
 
     ``memory``: ``(owner, key)``; the measurements start from the owner's last call under ``key`` (the owner, a
-    drafter, is held weakly) and :meth:`remember` stores this call's.
+    drafter or a model, is held weakly) and :meth:`remember` stores this call's. ``max_step_tokens``: tokens one
+    forward may feed for the whole batch (``None``: no cap).
     """
 
     #: decayed sums: each new measurement of a quantity scales the old ones by this
@@ -97,20 +137,26 @@ class ShapePolicy:
     #: steps of a shape in a bucket before its step time is trusted
     min_samples = 2
 
-    def __init__(self, shapes: list[Shape], explore_every: int = 16, memory: tuple | None = None):
+    def __init__(self, shapes: list[Shape], explore_every: int = 16, memory: tuple | None = None,
+                 max_step_tokens: int | None = None):
         if not shapes:
-            raise ValueError("ShapePolicy needs at least one shape.")
+            raise ValueError("BatchPolicy needs at least one shape.")
         self.shapes = list(shapes)
         self.explore_every = explore_every
+        self.max_step_tokens = max_step_tokens
         self.memory = memory
         known = _MEMORY.get(memory[0], {}).get(memory[1]) if memory is not None else None
-        # per shape: decayed sums of committed tokens over the configured tree's steps (the chains': what they would
-        # have committed on those steps); per (bucket, shape): [seconds, steps]
-        self.tokens = list(known["tokens"]) if known else [0.0] * len(self.shapes)
+        n = len(self.shapes)
+        # per shape: decayed sums of committed tokens over the configured tree's steps (the others': what they
+        # would have committed on those steps); own: per shape, decayed [committed tokens, row-steps] of its own
+        # steps; per (bucket, shape): [seconds, steps]
+        self.tokens = list(known["tokens"]) if known else [0.0] * n
+        self.own = [list(v) for v in known["own"]] if known else [[0.0, 0.0] for _ in range(n)]
         self.times = {k: list(v) for k, v in known["times"].items()} if known else {}
         self.steps = 0
         self.since_tree = 0
-        self.used = [0] * len(self.shapes)
+        self.used = [0] * n
+        self.row_steps = [0] * n  # active rows of the steps of each shape (the fraction of rows that speculated)
         self._pending = None  # (shape index, bucket, start time) of the step being measured
         self._done = False
 
@@ -119,40 +165,77 @@ class ShapePolicy:
         return max(int(rows), 1).bit_length() - 1  # 1, 2-3, 4-7, 8-15, ...
 
     def relative_tokens(self, shape: int) -> float:
-        """Tokens ``shape`` commits per step, relative to the configured tree on the same steps (paired)."""
-        return self.tokens[shape] / self.tokens[0] if self.tokens[0] > 0 else 0.0
+        """Tokens ``shape`` commits per row and step, relative to the configured tree (paired when it ran)."""
+        if self.tokens[0] > 0:
+            return self.tokens[shape] / self.tokens[0]
+        if self.shapes[shape].plain:  # one token per row and step
+            return 1.0 / self.tree_tokens()
+        own = self.own[shape]
+        return own[0] / own[1] / self.tree_tokens() if own[1] > 0 and self.tree_tokens() > 0 else 0.0
+
+    def tree_tokens(self) -> float:
+        """Committed tokens per row and step of the configured tree (its own steps)."""
+        own = self.own[0]
+        return own[0] / own[1] if own[1] > 0 else (max(o[0] / o[1] for o in self.own if o[1] > 0)
+                                                   if any(o[1] > 0 for o in self.own) else 1.0)
 
     def seconds(self, bucket: int, shape: int) -> float | None:
         seconds, steps = self.times.get((bucket, shape), (0.0, 0.0))
         return seconds / steps if steps > 0 else None
 
+    def allowed(self, rows: int) -> list[int]:
+        """The shapes a step of ``rows`` active rows may use under ``max_step_tokens`` (the plain step always)."""
+        cap = self.max_step_tokens
+        return [i for i, s in enumerate(self.shapes) if s.plain or cap is None or rows * (s.budget + 1) <= cap]
+
     def choose(self, rows: int) -> int:
         """The shape (index into ``shapes``) of the next step of a batch of ``rows`` active rows."""
+        self.close()
         b = self.bucket(rows)
         self.steps += 1
-        young = [i for i in range(len(self.shapes)) if self.times.get((b, i), (0, 0))[1] < self.min_samples
-                 or self.tokens[0] == 0]
+        allowed = self.allowed(rows)
+        paired = 0 in allowed
+        young = [i for i in allowed if self.times.get((b, i), (0, 0))[1] < self.min_samples
+                 or (paired and self.tokens[0] == 0) or (not paired and self.own[i][1] == 0 and not self.shapes[i].plain)]
         if young:
             pick = young[0]
-        elif self.since_tree >= self.explore_every:
+        elif paired and self.since_tree >= self.explore_every:
             pick = 0
         else:
-            pick = max(range(len(self.shapes)), key=lambda i: self.relative_tokens(i) / self.seconds(b, i))
+            pick = max(allowed, key=lambda i: self.relative_tokens(i) / self.seconds(b, i))
         self.since_tree = 0 if pick == 0 else self.since_tree + 1
         self.used[pick] += 1
+        self.row_steps[pick] += int(rows)
         self._pending = (pick, b, time.perf_counter())
         self._done = False
         return pick
 
-    def observe(self, committed: list[int], chains: dict[int, list[int]] | None = None) -> None:
-        """After the step's verification: ``committed`` tokens per active row (accepted + 1) and, for a step of the
-        configured tree, ``chains``: per other shape, the tokens each row's chain would have committed."""
+    @property
+    def index(self) -> int:
+        """The index of the step's shape (0, the configured one, before any :meth:`choose`)."""
+        return self._pending[0] if self._pending is not None else 0
+
+    @property
+    def current(self) -> Shape:
+        """The shape of the step being run (the configured one before any :meth:`choose`)."""
+        return self.shapes[self.index]
+
+    def observe(self, tree, verdict) -> None:
+        """After the step's verification: the tokens it committed and, on a step of the configured tree, what every
+        other shape would have committed on it (:func:`first_child_prefix`)."""
         if self._pending is None:
             return
-        if chains is not None:  # a step of the configured tree: paired counts
-            self.tokens[0] = self.decay * self.tokens[0] + sum(committed)
-            for shape, counts in chains.items():
-                self.tokens[shape] = self.decay * self.tokens[shape] + sum(counts)
+        pick = self._pending[0]
+        committed = verdict.num_accepted + 1
+        own = self.own[pick]
+        own[0] = self.decay * own[0] + float(committed.sum())
+        own[1] = self.decay * own[1] + committed.numel()
+        if pick == 0:  # paired counts
+            prefix = first_child_prefix(tree, verdict)
+            self.tokens[0] = self.decay * self.tokens[0] + float(committed.sum())
+            for i, shape in enumerate(self.shapes[1:], 1):
+                would = prefix.clamp(max=shape.depth) + 1
+                self.tokens[i] = self.decay * self.tokens[i] + float(would.sum())
         self._done = True
 
     def close(self) -> None:
@@ -163,14 +246,44 @@ class ShapePolicy:
         t = self.times.setdefault((b, pick), [0.0, 0.0])
         t[0] = self.decay * t[0] + max(time.perf_counter() - start, 1e-9)
         t[1] = self.decay * t[1] + 1
-        self._pending = None
+        self._done = False
 
-    def remember(self) -> None:
+    def finish(self) -> None:
+        """At the end of the call: close the last step and keep the measurements for the owner's next call."""
+        self.close()
         if self.memory is not None:
             owner, key = self.memory
-            _MEMORY.setdefault(owner, {})[key] = {"tokens": list(self.tokens),
+            _MEMORY.setdefault(owner, {})[key] = {"tokens": list(self.tokens), "own": [list(o) for o in self.own],
                                                   "times": {k: list(v) for k, v in self.times.items()}}
 
     @property
     def stats(self) -> dict:
-        return {"shape_steps": {s.label: n for s, n in zip(self.shapes, self.used) if n}}
+        total = max(sum(self.row_steps), 1)
+        plain = sum(n for s, n in zip(self.shapes, self.row_steps) if s.plain)
+        return {"shape_steps": {s.label: n for s, n in zip(self.shapes, self.used) if n},
+                "shape_row_steps": {s.label: n for s, n in zip(self.shapes, self.row_steps) if n},
+                "speculated_row_share": 1.0 - plain / total}
+
+
+ShapePolicy = BatchPolicy  # the name of its first version (speculative only)
+
+
+def check_policy_settings(adaptive, max_step_tokens) -> None:
+    """``adaptive`` (True / False) and ``max_step_tokens`` (``None`` or an integer >= 1, with ``adaptive`` only)."""
+    from .base import check_bool_setting, check_int_setting
+
+    check_bool_setting("adaptive", adaptive)
+    if max_step_tokens is not None:
+        check_int_setting("max_step_tokens", max_step_tokens, 1)
+        if not adaptive:
+            raise ValueError("`max_step_tokens` is applied by the batch policy: pass adaptive=True (the default) "
+                             "with it, or drop it.")
+
+
+def batch_policy(run, shapes: list[Shape], owner, adaptive: bool, max_step_tokens: int | None = None):
+    """The :class:`BatchPolicy` of a call (``None`` when ``adaptive`` is off); its measurements carry over per
+    ``owner`` (a drafter, or the model), strategy, device, dtype and shapes."""
+    if not adaptive:
+        return None
+    key = (run.name, str(run.rows.device), str(run.model.dtype), tuple(shapes))
+    return BatchPolicy(shapes, memory=(owner, key), max_step_tokens=max_step_tokens)

@@ -24,13 +24,16 @@ import torch
 from ..hardware import preset_settings
 from .base import Proposer, check_bool_setting, check_int_setting, checks_settings, decode
 from .budget import CostAwareBudget
+from .policy import batch_policy, check_policy_settings, shapes_from
 from .tree import PackedTree, pack_trees
 
 __all__ = ["prompt_lookup", "context_candidates", "NgramIndex", "ContextNgrams", "ComposedTreeProposer", "check_context_settings",
            "GUESSES", "POOL", "CONTEXT"]
 
 
-def _check_settings(num_tokens, max_ngram_size, max_matches, tree_budget, cost_aware):
+def _check_settings(num_tokens, max_ngram_size, max_matches, tree_budget, cost_aware, adaptive=True,
+                    max_step_tokens=None):
+    check_policy_settings(adaptive, max_step_tokens)
     for name, value in (("num_tokens", num_tokens), ("max_ngram_size", max_ngram_size), ("max_matches", max_matches),
                         ("tree_budget", tree_budget)):
         if value is not None:  # None: the device preset (hardware_preset), filled in before the run
@@ -162,6 +165,8 @@ class ComposedTreeProposer(Proposer):
         return self.context.candidates(counts) if self.context is not None else [[] for _ in counts]
 
     def pack(self, roots: torch.Tensor, candidates, sources) -> PackedTree:
+        if self.plain_step:  # the roots alone (one empty candidate per row: readers of candidate 0 find nothing)
+            return pack_trees(roots, [[[]] for _ in candidates])
         return pack_trees(roots, candidates, max_nodes=self.max_nodes, sources=sources, budget=self.cost_budget)
 
     def with_context_stats(self, stats: dict) -> dict:
@@ -171,9 +176,13 @@ class ComposedTreeProposer(Proposer):
 class ContextNgramProposer(ComposedTreeProposer):
     """Each step: every active row's context suffix matches, merged as a trie (see module docstring)."""
 
-    def __init__(self, run, num_tokens: int, max_ngram_size: int, max_matches: int, tree_budget: int, cost_aware: bool):
+    def __init__(self, run, num_tokens: int, max_ngram_size: int, max_matches: int, tree_budget: int, cost_aware: bool,
+                 adaptive: bool = True, max_step_tokens: int | None = None):
         self.run = run
         self.compose(run, max_matches, num_tokens, max_ngram_size, tree_budget, cost_aware)
+        # shapes: every match merged (the configured tree), the first match cut to 8 / 4 / 2 tokens, a plain step
+        self.policy = batch_policy(run, shapes_from(max_matches, num_tokens, tree_budget, True), run.model, adaptive,
+                                   max_step_tokens)
 
     @property
     def stats(self) -> dict:
@@ -184,7 +193,12 @@ class ContextNgramProposer(ComposedTreeProposer):
         log = self.run.log
         rows_l = rows.tolist()
         counts = log.host_counts(rows_l)
-        cands = self.context_candidates(counts)
+        if self.plain_step:
+            cands = [[] for _ in counts]
+        else:
+            cands = self.context_candidates(counts)
+            if not self.configured_step:  # a chain: the first match, cut to the shape's depth
+                cands = [c[:1] and [c[0][: self.shape.depth]] for c in cands]
         roots = torch.tensor([log.host_tokens(r)[c - 1] for r, c in zip(rows_l, counts)], device=rows.device)
         return self.pack(roots, cands, [[CONTEXT] * len(c) for c in cands])
 
@@ -206,6 +220,8 @@ def prompt_lookup(
     max_matches: int | None = None,
     tree_budget: int | None = None,
     cost_aware: bool = False,
+    adaptive: bool = True,
+    max_step_tokens: int | None = None,
     pd_streamer=None,
     **model_kwargs,
 ):
@@ -221,17 +237,24 @@ def prompt_lookup(
             ``tree_budget + 1`` tokens).
         cost_aware: feed only the nodes whose expected gain pays for their cost on this device
             (``hf_paralleldecode.decoding.budget``), under the ``tree_budget`` cap.
+        adaptive: let the batch policy (:mod:`hf_paralleldecode.decoding.policy`) pick each step's shape for
+            the whole batch from measured committed tokens per second: every match (the configured tree), the
+            first match cut to 8, 4 or 2 tokens, or a plain step (the measurements carry over to the model's
+            next call). ``False`` feeds the configured tree every step.
+        max_step_tokens: with ``adaptive``, the most tokens one verification forward may feed for the whole
+            batch (rows x nodes per row, roots included). ``None``: no cap.
         pd_streamer (BaseStreamer | None): see :func:`hf_paralleldecode.jacobi`.
     """
-    _check_settings(num_tokens, max_ngram_size, max_matches, tree_budget, cost_aware)
+    _check_settings(num_tokens, max_ngram_size, max_matches, tree_budget, cost_aware, adaptive, max_step_tokens)
     preset, s = preset_settings(model, "prompt_lookup", num_tokens=num_tokens, max_matches=max_matches,
                                 tree_budget=tree_budget)
     num_tokens, max_matches, tree_budget = s["num_tokens"], s["max_matches"], s["tree_budget"]
     return decode(
         model, "prompt_lookup",
-        lambda run: ContextNgramProposer(run, num_tokens, max_ngram_size, max_matches, tree_budget, cost_aware),
+        lambda run: ContextNgramProposer(run, num_tokens, max_ngram_size, max_matches, tree_budget, cost_aware,
+                                         adaptive, max_step_tokens),
         input_ids, logits_processor, stopping_criteria, generation_config, streamer, model_kwargs,
         dict(num_tokens=num_tokens, max_ngram_size=max_ngram_size, max_matches=max_matches, tree_budget=tree_budget,
-             cost_aware=cost_aware, hardware_preset=preset),
+             cost_aware=cost_aware, adaptive=adaptive, max_step_tokens=max_step_tokens, hardware_preset=preset),
         pd_streamer=pd_streamer,
     )

@@ -47,10 +47,10 @@ import torch
 from ..drafters.base import Drafter, DraftStats, target_vocab_size
 from ..drafters.loading import check_drafter_dtype, drafter_run_dtype, load_drafter
 from ..hardware import preset_settings
-from .base import Proposer, check_bool_setting, check_int_setting, checks_settings, decode
+from .base import Proposer, check_int_setting, checks_settings, decode
 from .budget import CostAwareBudget
 from .draft_tree import TreeBuilder
-from .policy import ShapePolicy, first_child_chain, shapes_from
+from .policy import batch_policy, check_policy_settings, shapes_from
 from .processors import prefix_independent, process_prefixes
 from .prompt_lookup import CONTEXT, GUESSES, ContextNgrams, check_context_settings
 from .target import HiddenStateTaps
@@ -60,9 +60,10 @@ __all__ = ["speculative"]
 
 
 def _check_tree(tree_budget, tree_width, tree_depth, tree_waves, context_matches=0, context_tokens=10,
-                context_ngram_size=3, denoise_steps=None, drafter_dtype=None, cost_aware=False, adaptive=True):
+                context_ngram_size=3, denoise_steps=None, drafter_dtype=None, cost_aware=False, adaptive=True,
+                max_step_tokens=None):
     check_context_settings(context_matches, context_tokens, context_ngram_size, None, cost_aware)
-    check_bool_setting("adaptive", adaptive)
+    check_policy_settings(adaptive, max_step_tokens)
     check_drafter_dtype(drafter_dtype)
     if denoise_steps is not None:
         check_int_setting("denoise_steps", denoise_steps, 1)
@@ -113,7 +114,7 @@ class DraftProposer(Proposer):
     Q_PRIOR = (0.9, 0.6, 0.25, 0.05)
 
     def __init__(self, run, drafter, state, vocab, budget, width, depth, waves, context_matches=0, context_tokens=10,
-                 context_ngram_size=3, cost_aware=False, adaptive=True):
+                 context_ngram_size=3, cost_aware=False, adaptive=True, max_step_tokens=None):
         self.run, self.drafter, self.state, self.vocab = run, drafter, state, vocab
         self.context = (ContextNgrams(run, context_tokens, context_ngram_size, context_matches)
                         if context_matches else None)
@@ -127,10 +128,8 @@ class DraftProposer(Proposer):
         self.context_steps = 0  # steps whose tree held context nodes
         self.budget, self.width, self.depth = budget, width, depth
         # the batch's tree shape per step (decoding/policy.py); measurements carry over per drafter and device
-        shapes = shapes_from(width, depth, budget, self.context is not None)
-        self.shapes = ShapePolicy(shapes, memory=(drafter, (str(run.rows.device), str(run.model.dtype), tuple(shapes))))\
-            if adaptive and not run.generation_config.do_sample else None  # greedy only (policy.py)
-        self._step_shape, self._step_builders, self._trimmed = 0, [], False
+        self.policy = batch_policy(run, shapes_from(width, depth, budget, self.context is not None), drafter,
+                                   adaptive, max_step_tokens)
         self.waves = waves  # branch-expanding drafters: forwards per step at most
         self.sample = bool(run.generation_config.do_sample)
         self.roots = run.log.tokens[run.rows, 0].clone()  # [active] the first token, committed by the prefill
@@ -140,11 +139,6 @@ class DraftProposer(Proposer):
     def select(self, kept):
         self.roots = self.roots[kept]
         self.state.select(kept)
-
-    def finish(self) -> None:
-        if self.shapes is not None:
-            self.shapes.close()
-            self.shapes.remember()
 
     # ---- children distributions --------------------------------------------------------------
     def _children(self, logits, prefixes, rows):
@@ -173,10 +167,8 @@ class DraftProposer(Proposer):
         budgets = [run.log.max_new_tokens - c for c in counts]
         roots = self.roots.tolist()
         width, depth, budget, context = self.width, self.depth, self.budget, self.context is not None
-        if self.shapes is not None:
-            self.shapes.close()  # the previous step's measurement ends here
-            self._step_shape = self.shapes.choose(len(roots))
-            shape = self.shapes.shapes[self._step_shape]
+        shape = self.shape
+        if shape is not None:
             width, depth, budget, context = shape.width, shape.depth, shape.budget, shape.context
         self.step_depth = depth
         found = self.context.candidates(counts) if context else None
@@ -204,7 +196,6 @@ class DraftProposer(Proposer):
         if self.cost_budget is not None:
             keys = [self._node_keys(bld, ranks) for bld, ranks in zip(builders, context_ranks)]
             nodes, keys = self._trim(nodes, keys)
-        self._step_builders, self._trimmed = builders, keys is not None
         tree = self._pack(nodes, q_store, sample_then_match=self._sample_then_match(found))
         if keys is not None:
             width = tree.tokens.shape[1]
@@ -339,31 +330,11 @@ class DraftProposer(Proposer):
         return tree_from_parents(self.roots, [n[0] for n in nodes], [n[1] for n in nodes], [n[2] for n in nodes], q=q)
 
     def update(self, tree, verdict) -> None:
-        if self.shapes is not None:
-            self.shapes.observe((verdict.num_accepted + 1).tolist(), self._chain_counterfactuals(verdict))
         self.state.update(tree, verdict, self.root_pos)
         self.roots = verdict.tokens.gather(1, verdict.num_accepted[:, None]).squeeze(1)
         self.accepted_lengths.append((verdict.num_accepted + 1).tolist())
         self.accepted += int((verdict.num_accepted + 1).sum())
         self.row_steps += verdict.num_accepted.numel()
-
-    def _chain_counterfactuals(self, verdict) -> dict[int, list[int]] | None:
-        """On a step of the configured tree: per chain shape, the tokens each row's chain would have committed (its
-        nodes are the tree's first-child path; it commits its matched prefix of the accepted path, plus one)."""
-        if self._step_shape != 0 or self._trimmed:
-            return None
-        paths = verdict.path.tolist()
-        out = {}
-        for index, shape in enumerate(self.shapes.shapes[1:], 1):
-            counts = []
-            for bld, path in zip(self._step_builders, paths):
-                chain, accepted = first_child_chain(bld, shape.depth), [v for v in path[1:] if v >= 0]
-                m = 0
-                while m < min(len(chain), len(accepted)) and chain[m] == accepted[m]:
-                    m += 1
-                counts.append(m + 1)
-            out[index] = counts
-        return out
 
     @property
     def draft_stats(self) -> DraftStats:
@@ -382,8 +353,7 @@ class DraftProposer(Proposer):
     def stats(self) -> dict:
         steps = max(self.steps, 1)
         context = {} if self.context is None else {**self.context.stats, "context_step_share": self.context_steps / steps}
-        shapes = {} if self.shapes is None else self.shapes.stats
-        return {**self.draft_stats.as_stats(), **context, **shapes}
+        return {**self.draft_stats.as_stats(), **context}
 
 
 @checks_settings(_check_tree)
@@ -407,6 +377,7 @@ def speculative(
     drafter_dtype: str | torch.dtype | None = None,
     cost_aware: bool = False,
     adaptive: bool = True,
+    max_step_tokens: int | None = None,
     pd_streamer=None,
     **model_kwargs,
 ):
@@ -458,14 +429,17 @@ def speculative(
             ``tree_budget`` becomes a cap (a GPU keeps wide trees, a CPU narrow ones). With
             ``do_sample=True`` every step is verified by sample-then-match (lossless for any tree):
             the cut depends on the drawn tokens' values, so rejection sampling would be biased.
-        adaptive: choose each step's tree shape for the batch from measured committed tokens per second
-            (:mod:`hf_paralleldecode.decoding.policy`): the configured tree, or a chain of at most 8 or 4
-            levels without context matches, whichever was fastest at this batch size (the measurements carry
-            over to the drafter's next call). ``False`` keeps the configured shape every step.
+        adaptive: let the batch policy (:mod:`hf_paralleldecode.decoding.policy`) pick each step's shape for
+            the whole batch from measured committed tokens per second: the configured tree, a chain of at most
+            8, 4 or 2 levels without context matches, or a plain step without a drafter forward; greedy and
+            sampled (the measurements carry over to the drafter's next call). ``False`` feeds the configured
+            tree every step.
+        max_step_tokens: with ``adaptive``, the most tokens one verification forward may feed for the whole
+            batch (rows x nodes per row, roots included): a latency cap per step. ``None``: no cap.
         pd_streamer (BaseStreamer | None): see :func:`hf_paralleldecode.jacobi`.
     """
     check_context_settings(context_matches, context_tokens, context_ngram_size, None, cost_aware)
-    check_bool_setting("adaptive", adaptive)
+    check_policy_settings(adaptive, max_step_tokens)
     check_drafter_dtype(drafter_dtype)
     preset, resolved = preset_settings(model, "speculative", tree_budget=tree_budget, drafter_dtype=drafter_dtype)
     tree_budget = resolved["tree_budget"]
@@ -480,6 +454,7 @@ def speculative(
     settings = dict(tree_budget=tree_budget, tree_width=tree_width, tree_depth=depth, context_matches=context_matches,
                     context_tokens=context_tokens, context_ngram_size=context_ngram_size, hardware_preset=preset,
                     drafter_dtype=str(dtype).removeprefix("torch."), cost_aware=cost_aware, adaptive=adaptive,
+                    max_step_tokens=max_step_tokens,
                     **drafter.run_settings(depth, denoise_steps=denoise_steps))
     waves = tree_waves or depth
     if drafter.expansion == "branches":
@@ -490,7 +465,7 @@ def speculative(
             model, "speculative",
             lambda run: DraftProposer(run, drafter, drafter.start(run, taps, vocab, depth, denoise_steps=denoise_steps),
                                       vocab, tree_budget, tree_width, depth, waves, context_matches, context_tokens,
-                                      context_ngram_size, cost_aware, adaptive),
+                                      context_ngram_size, cost_aware, adaptive, max_step_tokens),
             input_ids, logits_processor, stopping_criteria, generation_config, streamer, model_kwargs, settings,
             pd_streamer=pd_streamer,
         )
