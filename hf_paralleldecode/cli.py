@@ -123,9 +123,9 @@ def _add_model_args(p):
     p.add_argument("--model", default="default",
                    help="'default' (embedded demo model), 'default-trained' (the same after consistency training), "
                         "a local checkpoint / Hub id, or random-100m / random-tiny")
-    p.add_argument("--prompts", default=None,
-                   help="prompts file: .jsonl / .json / .parquet (the --prompt-column field) or .txt (blank-line "
-                        "separated); default: the shipped held-out prompts")
+    p.add_argument("--prompts", default=None, nargs="+",
+                   help="prompts file(s): .jsonl / .json / .parquet (the --prompt-column field) or .txt (blank-line "
+                        "separated), several files are read in order; default: the shipped held-out prompts")
     p.add_argument("--prompt-column", default="prompt")
     p.add_argument("--num-prompts", type=POSITIVE, default=None, help="use only the first N prompts")
     p.add_argument("--max-new-tokens", type=POSITIVE, default=128)
@@ -145,8 +145,8 @@ def _prompts(args, default_count):
 
     from .bench import load_prompts
 
-    path = args.prompts or Path(__file__).parent / "assets" / "prompts" / "stdlib_test.jsonl"
-    prompts = load_prompts(path, args.prompt_column)
+    paths = args.prompts or [Path(__file__).parent / "assets" / "prompts" / "stdlib_test.jsonl"]
+    prompts = [p for path in paths for p in load_prompts(path, args.prompt_column)]
     n = args.num_prompts or default_count
     return prompts[:n] if n else prompts
 

@@ -69,12 +69,28 @@ def test_paired_counts_come_only_from_steps_of_the_configured_tree():
     verdict = SimpleNamespace(path=torch.tensor([[0, 1, 2, 3, 4], [0, 2, -1, -1, -1]]), num_accepted=torch.tensor([4, 1]))
     policy.observe(tree, verdict)  # row 0 accepted 4 along first children, row 1 a second child
     assert policy.tokens == [7.0, 6.0, 6.0, 4.0, 2.0] and policy.relative_tokens(1) == 6 / 7
-    policy.times[(BatchPolicy.bucket(2), 0)] = [0.5, 5.0]  # the tree's time is known: chain 8 is the next to measure
+    # the tree's and the plain step's times are known: chain 8 is the next to measure, since its tokens over the
+    # plain step's time (6/7 / 0.05) beat the tree's rate (1 / 0.1)
+    policy.times[(BatchPolicy.bucket(2), 0)] = [0.5, 5.0]
+    policy.times[(BatchPolicy.bucket(2), 4)] = [0.25, 5.0]
     policy.choose(2)  # a chain step: its own counts; the paired sums do not move
     assert policy.index == 1
     policy.observe(chain_tree(torch.tensor([[9, 1], [9, 1]]), torch.tensor([2, 2])),
                    SimpleNamespace(path=torch.tensor([[0, 1], [0, -1]]), num_accepted=torch.tensor([1, 0])))
     assert policy.tokens == [7.0, 6.0, 6.0, 4.0, 2.0] and policy.own[1] == [3.0, 2.0]
+
+
+def test_a_chain_that_cannot_beat_the_tree_is_never_measured():
+    policy = BatchPolicy(shapes_from(4, 16, 20, True))
+    b = BatchPolicy.bucket(1)
+    policy.tokens = [100.0, 70.0, 45.0, 30.0, 15.0]  # the tree commits 6.7 tokens per step, chain 8 0.7 of that
+    policy.own[0] = [100.0, 15.0]
+    policy.times[(b, 0)] = [0.2, 20.0]  # 10 ms: rate 1.0
+    assert policy.choose(1) == 4  # the plain step is measured first
+    policy.times[(b, 4)] = [0.18, 20.0]  # 9 ms: chain 8 could reach 0.7 / 0.009 = 78 < 1 / 0.010 = 100: no chain is tried
+    assert {policy.choose(1) for _ in range(40)} == {0}
+    policy.times[(b, 0)] = [1.0, 20.0]  # the tree becomes slow (50 ms): the chains are worth measuring again
+    assert policy.choose(1) == 1
 
 
 def test_a_token_cap_keeps_wide_shapes_out_and_the_plain_step_in():

@@ -28,8 +28,11 @@ The rule
       own steps.
     * ``seconds(shape, b)``, the wall time of a step (drafter, verification forward, host work), is measured per
       shape and per batch-size bucket (powers of two of the active rows): it depends on the shape, the batch and the
-      device, hardly on the text. A shape is run ``min_samples`` times in a bucket before its time is trusted, and
-      the configured tree every ``explore_every`` steps (it feeds the paired counts).
+      device, hardly on the text. A shape is run ``min_samples`` times in a bucket before its time is trusted (the
+      configured tree first, then the plain step, then each chain only while its tokens over the plain step's time,
+      a bound on its rate, beat the best measured rate: a good tree at batch 1 is not left to measure chains that
+      cannot catch up), and the configured tree every ``explore_every`` steps (it feeds the paired counts; the gap doubles, up to
+      ``max_gap``, while another shape stays faster, and is reset when the tree is the best again).
 
     Measurements carry over to the next call of the same owner (the drafter, or the model) with the same device,
     dtype and shapes, so a server's first call pays the exploration once.
@@ -136,6 +139,8 @@ class BatchPolicy:
     decay = 0.98
     #: steps of a shape in a bucket before its step time is trusted
     min_samples = 2
+    #: the longest gap between visits of a configured tree that keeps losing (``explore_every`` doubles up to it)
+    max_gap = 128
 
     def __init__(self, shapes: list[Shape], explore_every: int = 16, memory: tuple | None = None,
                  max_step_tokens: int | None = None):
@@ -155,6 +160,7 @@ class BatchPolicy:
         self.times = {k: list(v) for k, v in known["times"].items()} if known else {}
         self.steps = 0
         self.since_tree = 0
+        self.gap = explore_every  # steps between visits of the configured tree (doubles while it keeps losing)
         self.used = [0] * n
         self.row_steps = [0] * n  # active rows of the steps of each shape (the fraction of rows that speculated)
         self._pending = None  # (shape index, bucket, start time) of the step being measured
@@ -194,21 +200,47 @@ class BatchPolicy:
         b = self.bucket(rows)
         self.steps += 1
         allowed = self.allowed(rows)
-        paired = 0 in allowed
-        young = [i for i in allowed if self.times.get((b, i), (0, 0))[1] < self.min_samples
-                 or (paired and self.tokens[0] == 0) or (not paired and self.own[i][1] == 0 and not self.shapes[i].plain)]
-        if young:
-            pick = young[0]
-        elif paired and self.since_tree >= self.explore_every:
-            pick = 0
+        young = self._young(b, allowed)
+        if young is not None:
+            pick = young
         else:
-            pick = max(allowed, key=lambda i: self.relative_tokens(i) / self.seconds(b, i))
+            measured = [i for i in allowed if self.seconds(b, i) is not None]
+            best = max(measured, key=lambda i: self.relative_tokens(i) / self.seconds(b, i))
+            if best == 0:
+                self.gap = self.explore_every
+            pick = 0 if 0 in allowed and self.since_tree >= self.gap else best
+            if pick == 0 and best != 0:  # a visit of a tree that is not the best: the next one comes later
+                self.gap = min(2 * self.gap, self.max_gap)
         self.since_tree = 0 if pick == 0 else self.since_tree + 1
         self.used[pick] += 1
         self.row_steps[pick] += int(rows)
         self._pending = (pick, b, time.perf_counter())
         self._done = False
         return pick
+
+    def _young(self, b: int, allowed: list[int]) -> int | None:
+        """The shape to measure next in bucket ``b``, or ``None`` when every shape worth measuring is measured.
+
+        The configured tree comes first (its steps feed the paired counts), then the plain step (the cheapest step
+        there is), then a chain only while it could still win: its tokens over the plain step's time (a bound on
+        its rate, since no step is faster than the plain one) beat the best rate measured so far. At batch 1 a good
+        tree is never left for a chain that cannot catch up."""
+        def young(i):
+            return self.times.get((b, i), (0, 0))[1] < self.min_samples
+        paired = 0 in allowed
+        if paired and (young(0) or self.tokens[0] == 0):
+            return 0
+        plain = next((i for i in allowed if self.shapes[i].plain), None)
+        if plain is not None and young(plain):
+            return plain
+        rest = [i for i in allowed if young(i)]
+        if not paired:  # no paired counts: a chain is known by its own steps only
+            return rest[0] if rest else None
+        measured = [i for i in allowed if not young(i)]
+        best = max(self.relative_tokens(i) / self.seconds(b, i) for i in measured)
+        floor = self.seconds(b, plain) if plain is not None else min(self.seconds(b, i) for i in measured)
+        hopeful = [i for i in rest if self.relative_tokens(i) / floor > best]
+        return hopeful[0] if hopeful else None
 
     @property
     def index(self) -> int:

@@ -54,7 +54,7 @@ from .policy import batch_policy, check_policy_settings, shapes_from
 from .processors import prefix_independent, process_prefixes
 from .prompt_lookup import CONTEXT, GUESSES, ContextNgrams, check_context_settings
 from .target import HiddenStateTaps
-from .tree import PackedTree, tree_from_parents
+from .tree import PackedTree, chain_tree, tree_from_parents
 
 __all__ = ["speculative"]
 
@@ -163,6 +163,11 @@ class DraftProposer(Proposer):
         t_start = time.perf_counter()
         drafter_before = self.state.seconds
         self.root_pos = run.next_positions()  # [active]
+        if self.plain_step:  # the roots alone: no drafter forward, no tree (the drafter catches up later)
+            self.state.end_step()
+            self.steps += 1
+            self.host += time.perf_counter() - t_start
+            return chain_tree(self.roots[:, None], torch.ones_like(self.roots))
         counts = run.log.host_counts(run.rows.tolist())
         budgets = [run.log.max_new_tokens - c for c in counts]
         roots = self.roots.tolist()
