@@ -101,7 +101,8 @@ def test_embedded_models_load_with_their_drafter_and_decoding_config_and_are_los
     prompts = load_prompts(hfpd.default_model_path().parent / "prompts" / "stdlib_test.jsonl")[:3]
     tokenizer.padding_side = "left"
     batch = tokenizer(prompts, return_tensors="pt", padding=True)
-    out = model.generate(**batch, max_new_tokens=48, return_dict_in_generate=True)  # its saved decoding
+    # its saved decoding, its configured tree every step (adaptive=False: the tree's TPF, not the batch policy's)
+    out = model.generate(**batch, max_new_tokens=48, return_dict_in_generate=True, adaptive=False)
     assert out.decoding == "speculative" and out.stats["tree_depth"] == config.settings["tree_depth"]
     assert torch.equal(out.sequences, model.generate(**batch, max_new_tokens=48, do_sample=False, decoding="stock"))
     assert out.tokens_per_forward > 2.5 and out.stats["tau"] > 2.5
@@ -117,7 +118,8 @@ def test_trained_embedded_model_is_faster_with_jacobi_forcing_than_the_base_mode
     tokenizer.padding_side = "left"
     batch = tokenizer(prompts, return_tensors="pt", padding=True)
     out = model.generate(**batch, max_new_tokens=48, return_dict_in_generate=True, decoding="jacobi_forcing",
-                         block_size=16, num_blocks=2, pool_size=0, context_matches=2, context_tokens=6)
+                         block_size=16, num_blocks=2, pool_size=0, context_matches=2, context_tokens=6,
+                         adaptive=False)  # the TPF of this tree every step, not of the shapes the batch policy picks
     assert torch.equal(out.sequences, model.generate(**batch, max_new_tokens=48, do_sample=False, decoding="stock"))
     assert out.tokens_per_forward > 1.5  # consistency-trained: well above the base model's ~1.3
 
@@ -146,7 +148,8 @@ def test_shipped_draft_heads_load_by_alias_and_decode_the_embedded_model_lossles
                     padding=True)
     kwargs = dict(**enc, max_new_tokens=48, do_sample=False)
     ref = model.generate(**kwargs, decoding="stock")
-    out = model.generate(**kwargs, decoding="speculative", drafter=head, tree_budget=8, return_dict_in_generate=True)
+    out = model.generate(**kwargs, decoding="speculative", drafter=head, tree_budget=8, adaptive=False,
+                         return_dict_in_generate=True)
     assert torch.equal(out.sequences, ref)
     assert out.stats["mean_accepted_length"] > 1.5  # a trained head drafts tokens the model accepts
 

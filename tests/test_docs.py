@@ -10,7 +10,7 @@ import pytest
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 PAGES = ["getting-started.md", "methods/jacobi.md", "methods/lookahead.md", "methods/jacobi_forcing.md", "methods/speculative.md", "methods/deer.md",
          "methods/prompt_lookup.md", "training.md", "drafters.md",
-         "tree-budgets.md", "hardware.md"]
+         "tree-budgets.md", "hardware.md", "batch-policy.md"]
 
 
 def python_blocks(page: str) -> list[str]:

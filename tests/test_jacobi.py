@@ -221,7 +221,8 @@ def test_rows_that_accept_different_lengths_compact_the_cache(monkeypatch):
     model = enabled("llama")
     ids, mask = prompts(3)
     out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=200, do_sample=False,
-                         eos_token_id=None, decoding="jacobi", block_size=16, return_dict_in_generate=True)
+                         eos_token_id=None, decoding="jacobi", block_size=16, adaptive=False,
+                         return_dict_in_generate=True)
     ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=200, do_sample=False, eos_token_id=None)
     assert torch.equal(out.sequences, ref)
     assert out.stats["cache_compactions"] >= 1

@@ -10,9 +10,9 @@ import torch
 from models import enabled, prompts, reference, tiny_model
 
 import hf_paralleldecode as hfpd
-from hf_paralleldecode import DraftHead
+from hf_paralleldecode import DraftHead, Eagle3Drafter
 from hf_paralleldecode.decoding import policy as policy_module
-from hf_paralleldecode.decoding.policy import BatchPolicy, Shape, first_child_prefix, shapes_from
+from hf_paralleldecode.decoding.policy import BatchPolicy, Shape, first_child_prefix, path_prefix, shapes_from
 from hf_paralleldecode.decoding.tree import chain_tree, tree_from_parents
 
 pytestmark = pytest.mark.core
@@ -26,6 +26,17 @@ def test_shapes_are_the_configured_tree_then_shorter_chains_without_context_then
     assert shapes_from(2, 6, 3, False) == [Shape(2, 6, 3, False), Shape(1, 3, 3, False), Shape(1, 2, 2, False), plain]
     assert plain.label == "plain" and Shape(1, 4, 4, False).label == "chain d4 b4"
     assert shapes_from(12, 3, 50, True, chains=False) == [Shape(12, 3, 50, True), plain]  # a lookahead window
+    # context chains: the first context match alone, no drafter forward
+    assert shapes_from(4, 16, 20, True, context_depth=6)[4:] == [Shape(1, 6, 6, True, drafter=False),
+                                                                  Shape(1, 4, 4, True, drafter=False),
+                                                                  Shape(1, 2, 2, True, drafter=False), plain]
+    assert Shape(1, 4, 4, True, drafter=False).label == "context chain d4"
+
+
+def test_path_prefix_counts_the_accepted_nodes_that_follow_a_given_path():
+    verdict = _verdict([[0, 3, 7, 8], [0, 3, -1, -1], [0, 1, 2, 5]])
+    nodes = torch.tensor([[3, 7, 9], [3, 7, -1], [4, -1, -1]])
+    assert path_prefix(verdict, nodes).tolist() == [2, 1, 0]
 
 
 def _verdict(path):
@@ -47,7 +58,7 @@ def test_first_child_prefix_is_how_far_the_accepted_path_ran_along_first_childre
 def _measured(policy, bucket, seconds, relative):
     policy.tokens = [100.0] + [100.0 * r for r in relative]
     for i, s in enumerate(seconds):
-        policy.times[(bucket, i)] = [s * 10, 10]
+        policy.times[(bucket, i)] = [s] * 4
 
 
 def test_the_policy_measures_every_shape_then_takes_the_best_predicted_rate_and_revisits_the_tree():
@@ -71,8 +82,8 @@ def test_paired_counts_come_only_from_steps_of_the_configured_tree():
     assert policy.tokens == [7.0, 6.0, 6.0, 4.0, 2.0] and policy.relative_tokens(1) == 6 / 7
     # the tree's and the plain step's times are known: chain 8 is the next to measure, since its tokens over the
     # plain step's time (6/7 / 0.05) beat the tree's rate (1 / 0.1)
-    policy.times[(BatchPolicy.bucket(2), 0)] = [0.5, 5.0]
-    policy.times[(BatchPolicy.bucket(2), 4)] = [0.25, 5.0]
+    policy.times[(BatchPolicy.bucket(2), 0)] = [0.1] * 4
+    policy.times[(BatchPolicy.bucket(2), 4)] = [0.05] * 4
     policy.choose(2)  # a chain step: its own counts; the paired sums do not move
     assert policy.index == 1
     policy.observe(chain_tree(torch.tensor([[9, 1], [9, 1]]), torch.tensor([2, 2])),
@@ -85,11 +96,11 @@ def test_a_chain_that_cannot_beat_the_tree_is_never_measured():
     b = BatchPolicy.bucket(1)
     policy.tokens = [100.0, 70.0, 45.0, 30.0, 15.0]  # the tree commits 6.7 tokens per step, chain 8 0.7 of that
     policy.own[0] = [100.0, 15.0]
-    policy.times[(b, 0)] = [0.2, 20.0]  # 10 ms: rate 1.0
+    policy.times[(b, 0)] = [0.010] * 4  # rate 1.0
     assert policy.choose(1) == 4  # the plain step is measured first
-    policy.times[(b, 4)] = [0.18, 20.0]  # 9 ms: chain 8 could reach 0.7 / 0.009 = 78 < 1 / 0.010 = 100: no chain is tried
+    policy.times[(b, 4)] = [0.009] * 4  # 9 ms: chain 8 could reach 0.7 / 0.009 = 78 < 1 / 0.010 = 100: no chain is tried
     assert {policy.choose(1) for _ in range(40)} == {0}
-    policy.times[(b, 0)] = [1.0, 20.0]  # the tree becomes slow (50 ms): the chains are worth measuring again
+    policy.times[(b, 0)] = [0.050] * 4  # the tree becomes slow (50 ms): the chains are worth measuring again
     assert policy.choose(1) == 1
 
 
@@ -121,6 +132,8 @@ def _script(monkeypatch, picks):
 
 STRATEGIES = [
     ("speculative", dict(tree_budget=16, tree_width=3, context_matches=2)),
+    ("speculative", dict(tree_budget=12, tree_width=2, context_matches=2, context_tokens=5, drafter="eagle3")),
+    ("speculative", dict(tree_budget=12, tree_width=2, tree_depth=4, context_matches=1, drafter="tree_causal")),
     ("jacobi", dict(block_size=6)),
     ("jacobi_forcing", dict(block_size=3, num_blocks=2, pool_size=2, context_matches=2)),
     ("lookahead", dict(window_size=3, ngram_size=3, guess_set_size=2, context_matches=1)),
@@ -131,17 +144,24 @@ STRATEGIES = [
 def _settings(model, decoding, settings):
     if decoding == "speculative":
         torch.manual_seed(0)
-        return {**settings, "drafter": DraftHead.for_target(model, attention="block_bidirectional", block_size=8)}
+        kind = settings.get("drafter", "block_bidirectional")
+        drafter = (Eagle3Drafter.for_target(model) if kind == "eagle3"
+                   else DraftHead.for_target(model, attention=kind, block_size=8))
+        return {**settings, "drafter": drafter}
     return settings
+
+
+def _ids(strategies):
+    return [d if d != "speculative" else f"speculative-{s.get('drafter', 'block_bidirectional')}" for d, s in strategies]
 
 
 @pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-@pytest.mark.parametrize("decoding, settings", STRATEGIES, ids=[d for d, _ in STRATEGIES])
+@pytest.mark.parametrize("decoding, settings", STRATEGIES, ids=_ids(STRATEGIES))
 def test_output_is_exact_whichever_shapes_the_policy_picks(monkeypatch, arch, batch, decoding, settings):
     """The shapes switch between steps (plain steps back to back too), and the output is still stock greedy."""
     model = enabled(arch)
-    _script(monkeypatch, [0, 1, -1, 2, 0, 3, -1, -1, 1])
+    _script(monkeypatch, [0, 1, -1, 2, 0, 3, 4, 5, -1, -1, 6, 1, 4])  # context chains too (speculative: 4 to 6)
     ids, mask = prompts(batch)
     out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False, decoding=decoding,
                          return_dict_in_generate=True, **_settings(model, decoding, settings))
@@ -149,7 +169,7 @@ def test_output_is_exact_whichever_shapes_the_policy_picks(monkeypatch, arch, ba
     assert len(out.stats["shape_steps"]) >= 2 and 0 < out.stats["speculated_row_share"] < 1
 
 
-@pytest.mark.parametrize("decoding, settings", STRATEGIES, ids=[d for d, _ in STRATEGIES])
+@pytest.mark.parametrize("decoding, settings", STRATEGIES, ids=_ids(STRATEGIES))
 def test_the_policy_is_on_by_default_and_its_measurements_carry_over(decoding, settings):
     model = enabled("llama")
     settings = _settings(model, decoding, settings)
@@ -165,7 +185,7 @@ def test_the_policy_is_on_by_default_and_its_measurements_carry_over(decoding, s
     assert "shape_steps" not in out.stats
 
 
-@pytest.mark.parametrize("decoding, settings", STRATEGIES, ids=[d for d, _ in STRATEGIES])
+@pytest.mark.parametrize("decoding, settings", STRATEGIES, ids=_ids(STRATEGIES))
 def test_a_one_token_cap_makes_every_step_plain_and_exact(decoding, settings):
     model = enabled("qwen3")
     ids, mask = prompts(3)
@@ -191,8 +211,8 @@ VOCAB, NEW, ROWS = 5, 3, 4000
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("picks", [[-1, 0, 1], [1, -1, 0], [0, 2, -1]], ids=["plain-tree-chain", "chain-plain-tree",
-                                                                           "tree-chain-plain"])
+@pytest.mark.parametrize("picks", [[-1, 0, 1], [1, -1, 0], [0, 2, -1], [3, 0, 3]],
+                         ids=["plain-tree-chain", "chain-plain-tree", "tree-chain-plain", "shape3-tree-shape3"])
 @pytest.mark.parametrize("decoding, settings", [
     ("speculative", dict(tree_budget=6, tree_width=2, tree_depth=3, context_matches=2, context_tokens=2,
                          context_ngram_size=1)),
@@ -219,3 +239,16 @@ def test_sampled_output_is_distributed_as_stock_whichever_shapes_the_policy_pick
     assert sum(ours.stats["shape_steps"].values()) >= 2  # (lookahead has two shapes: chain-plain-tree is plain twice)
     p = chi_square_two_sample(outcomes(stock, ids.shape[1]), outcomes(ours.sequences, ids.shape[1]), VOCAB**NEW)
     assert p > 1e-3, f"sampled distribution differs from stock sampling (p={p:.2e})"
+
+
+def test_one_slow_first_step_does_not_lock_a_shape_out():
+    """A shape's step time is the lower median of its recent steps: a first step slowed by a warm-up is outvoted."""
+    policy = BatchPolicy(shapes_from(4, 16, 20, True))
+    b = BatchPolicy.bucket(3)
+    policy.tokens = [100.0, 70.0, 45.0, 30.0, 20.0]
+    policy.times[(b, 0)] = [0.500]  # a first call's warm-up: 50x the tree's real time
+    assert policy.seconds(b, 0) == 0.500
+    policy.times[(b, 0)].append(0.010)
+    assert policy.seconds(b, 0) == 0.010
+    policy.times[(b, 4)] = [0.008, 0.008]
+    assert policy.choose(3) == 0  # the tree: 1 / 0.010 beats the plain step's 0.2 / 0.008

@@ -95,7 +95,7 @@ def test_exactly_one_target_forward_per_step_plus_prefill(small_vocab):
     try:
         out = small_vocab.generate(input_ids=ids, attention_mask=mask, max_new_tokens=30, do_sample=False,
                                    eos_token_id=None, decoding="speculative", drafter=head, tree_budget=16,
-                                   return_dict_in_generate=True)
+                                   adaptive=False, return_dict_in_generate=True)
     finally:
         rec.restore()
     steps = out.num_forward_passes - 1
@@ -404,7 +404,7 @@ def test_bundle_round_trip_and_head_only_repo(tmp_path):
     saved = hfpd.ParallelDecodingConfig.from_pretrained(tmp_path / "bundle")
     assert saved.drafter == "drafter" and saved.settings == {"tree_budget": 4, "tree_width": 2}
     bundle = hfpd.load_model(tmp_path / "bundle")
-    out = bundle.generate(**gen)
+    out = bundle.generate(**gen, adaptive=False)  # the configured tree every step: the head drafts each one
     assert out.decoding == "speculative" and out.stats["tree_budget"] == 4 and torch.equal(out.sequences, ref)
     assert out.stats["drafter_forwards_per_step"] >= 1
     assert not any(k.startswith("draft") or "_hfpd" in k for k in bundle.state_dict())  # the head is not a submodule

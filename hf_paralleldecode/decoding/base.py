@@ -171,6 +171,18 @@ class DecodeRun:
         self.stats: dict = {}
         self.draft_stats = None  # a DraftStats, set by a drafting proposer
         self._prompt_lists: list[list[int]] | None = None  # see prompt_tokens
+        # sampling: one uniform per (row, generated position), drawn once per call from the user's RNG (see
+        # position_uniforms); None when greedy
+        self.uniforms: torch.Tensor | None = None
+
+    def position_uniforms(self, tree: PackedTree) -> torch.Tensor:
+        """``[active, nodes]``: the uniform of the generated position each node's sample is for (the row's next
+        position plus the node's depth). A sample-then-match step draws the target's token after a node by inverse
+        CDF from it, so the token committed at a position uses that position's uniform whatever the tree held:
+        a fixed seed gives the same sampled output whichever shapes the batch policy picked."""
+        counts = self.log.count[self.rows].to(tree.depth.device)  # committed tokens: the next one has this index
+        index = (counts[:, None] + tree.depth).clamp(max=self.uniforms.shape[1] - 1)
+        return self.uniforms.to(tree.depth.device)[self.rows.to(tree.depth.device)].gather(1, index)
 
     @property
     def num_forward_passes(self) -> int:
@@ -209,7 +221,8 @@ class DecodeRun:
             return verdict
         logits = self.target.forward(tree, self.slots, self.next_positions(), self.rows)
         scores = self.process(logits, tree)
-        verdict = verify_tree(tree, scores, bool(self.generation_config.do_sample), tree.q)
+        uniforms = self.position_uniforms(tree) if self.uniforms is not None and tree.q is None else None
+        verdict = verify_tree(tree, scores, bool(self.generation_config.do_sample), tree.q, uniforms=uniforms)
         self.commit(verdict, scores, logits)
         return verdict
 
@@ -376,6 +389,9 @@ def start(
     scores = logits_processor(input_ids, logits) if logits_processor else logits
     if generation_config.do_sample:
         first = torch.multinomial(torch.softmax(scores, dim=-1), 1).squeeze(1)
+        # the draws of later positions (see DecodeRun.position_uniforms), from a generator seeded by the user's RNG
+        generator = torch.Generator().manual_seed(int(torch.randint(0, 2**62, (1,))))
+        run.uniforms = torch.rand(batch, log.max_new_tokens + 1, generator=generator)
     else:
         first = scores.argmax(-1)
     log.add(rows, first[:, None], torch.ones_like(first), scores[:, None], logits[:, None])
@@ -394,10 +410,15 @@ class Proposer:
     """
 
     stats: dict = {}
-    cost_budget = None  # a budget.CostAwareBudget when the proposer packs under one (the loop feeds it timings and verdicts)
-    #: a :class:`~.policy.BatchPolicy` when the proposer lets the batch policy pick each step's shape (the loop asks
-    #: it before :meth:`propose` and tells it the verdict after); ``None``: the configured tree every step
+    #: the call's :class:`~.policy.BatchPolicy` (the loop asks it before :meth:`propose` and tells it the verdict
+    #: after): it picks each step's shape for the batch and holds the node budget; ``None``: the configured tree
+    #: every step, every node of it
     policy = None
+
+    @property
+    def cost_budget(self):
+        """The policy's node budget (a :class:`~.budget.CostAwareBudget`, ``cost_aware=True``), or ``None``."""
+        return self.policy.nodes if self.policy is not None else None
 
     @property
     def shape(self):
@@ -454,16 +475,12 @@ def decode(model, name, make_proposer, input_ids, logits_processor, stopping_cri
                 proposer.select(kept)
             if run.rows.numel() == 0:
                 break
-            budget, policy = proposer.cost_budget, proposer.policy
-            if budget is not None:
-                budget.observe(run.target.seconds, fed)
+            policy = proposer.policy
             if policy is not None:
-                policy.choose(int(run.rows.numel()))
+                policy.start_step(int(run.rows.numel()), run.target.seconds, fed)
             tree = proposer.propose()
             verdict = run.step(tree)
             fed = tree.tokens.numel()
-            if budget is not None:
-                budget.learn(tree, verdict)
             if policy is not None:
                 policy.observe(tree, verdict)
             proposer.update(tree, verdict)
@@ -473,7 +490,4 @@ def decode(model, name, make_proposer, input_ids, logits_processor, stopping_cri
             run.stats.update(proposer.policy.stats)
         run.stats.update(proposer.stats)
         run.draft_stats = getattr(proposer, "draft_stats", None)
-        if proposer.cost_budget is not None:
-            proposer.cost_budget.remember()
-            run.stats.update(proposer.cost_budget.stats)
     return run.result(bool(generation_config.return_dict_in_generate), wall_start)

@@ -97,15 +97,16 @@ class MultiblockProposer(ComposedTreeProposer):
     def __init__(self, run, n, num_blocks, ratio, pool_size, ngram_size, seed, context_matches=0, context_tokens=10,
                  context_ngram_size=3, tree_budget=None, cost_aware=False, adaptive=False, max_step_tokens=None):
         self.run, self.n, self.K, self.r = run, n, num_blocks, ratio
+        self.compose(run, context_matches, context_tokens, context_ngram_size, tree_budget, cost_aware,
+                     mandatory=(GUESSES,))  # the chain: its Jacobi update reads those nodes
         # shapes: chain + context + recycled (configured), the chain cut to 8 / 4 / 2 guesses, a plain step
         guesses = n * num_blocks - 1
         nodes = guesses + context_matches * context_tokens + pool_size * (ngram_size - 1)
         budget = nodes if tree_budget is None else min(nodes, tree_budget)
         self.policy = batch_policy(
             run, shapes_from(1 + context_matches + pool_size, max(guesses, context_tokens if context_matches else 0),
-                             budget, bool(context_matches or pool_size)), run.model, adaptive, max_step_tokens)
-        self.compose(run, context_matches, context_tokens, context_ngram_size, tree_budget, cost_aware,
-                     mandatory=(GUESSES,))  # the chain: its Jacobi update reads those nodes
+                             budget, bool(context_matches or pool_size)), run.model, adaptive, max_step_tokens,
+            self.node_budget)
         self.pool_size, self.ngram = pool_size, ngram_size
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
         batch = run.prompt.shape[0]

@@ -66,14 +66,15 @@ class LookaheadProposer(ComposedTreeProposer):
                  tree_budget: int | None = None, cost_aware: bool = False, adaptive: bool = False,
                  max_step_tokens: int | None = None):
         self.run, self.W, self.N, self.G = run, window, ngram, guesses
+        self.compose(run, context_matches, context_tokens, context_ngram_size, tree_budget, cost_aware,
+                     mandatory=(GUESSES,))  # the window: its update reads those nodes
         # shapes: the window with context and pool candidates (configured) or a plain step; the window needs
         # every one of its nodes, so there is no shorter chain
         nodes = window * (ngram - 1) + context_matches * context_tokens + guesses * (ngram - 1)
         budget = nodes if tree_budget is None else min(nodes, tree_budget)
         self.policy = batch_policy(run, shapes_from(window + context_matches + guesses, ngram - 1, budget, True,
-                                                    chains=False), run.model, adaptive, max_step_tokens)
-        self.compose(run, context_matches, context_tokens, context_ngram_size, tree_budget, cost_aware,
-                     mandatory=(GUESSES,))  # the window: its update reads those nodes
+                                                    chains=False), run.model, adaptive, max_step_tokens,
+                                   self.node_budget)
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
         batch = run.prompt.shape[0]
         self.pool = NgramPool(batch, max_per_key=guesses)

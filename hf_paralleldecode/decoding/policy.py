@@ -28,11 +28,14 @@ The rule
       own steps.
     * ``seconds(shape, b)``, the wall time of a step (drafter, verification forward, host work), is measured per
       shape and per batch-size bucket (powers of two of the active rows): it depends on the shape, the batch and the
-      device, hardly on the text. A shape is run ``min_samples`` times in a bucket before its time is trusted (the
-      configured tree first, then the plain step, then each chain only while its tokens over the plain step's time,
-      a bound on its rate, beat the best measured rate: a good tree at batch 1 is not left to measure chains that
-      cannot catch up), and the configured tree every ``explore_every`` steps (it feeds the paired counts; the gap doubles, up to
-      ``max_gap``, while another shape stays faster, and is reset when the tree is the best again).
+      device, hardly on the text. A shape is run ``min_samples`` times in a bucket before its time is trusted: the
+      configured tree first (once: the paired counts do not depend on the batch size), then the plain step, then
+      any shape only while its tokens over a lower bound of its time (the plain step's time, its own time at a
+      smaller batch) beat the best rate measured in the bucket: a good tree at batch 1 is not left to measure chains
+      that cannot catch up, and a tree that lost at batch 16 is not tried at batch 32. The configured tree is
+      also revisited every ``explore_every`` steps while its rate is within 2x of the best (it feeds the paired
+      counts; the gap doubles, up to ``max_gap``, while another shape stays faster, and is reset when the tree is the
+      best again).
 
     Measurements carry over to the next call of the same owner (the drafter, or the model) with the same device,
     dtype and shapes, so a server's first call pays the exploration once.
@@ -55,7 +58,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Shape", "BatchPolicy", "ShapePolicy", "shapes_from", "chain_shapes", "first_child_prefix",
+__all__ = ["Shape", "BatchPolicy", "ShapePolicy", "shapes_from", "chain_shapes", "first_child_prefix", "path_prefix",
            "PLAIN", "CHAIN_DEPTHS"]
 
 #: the depths of the chains every strategy offers besides its configured tree (cut to the configured depth)
@@ -64,12 +67,14 @@ CHAIN_DEPTHS = (8, 4, 2)
 
 @dataclass(frozen=True)
 class Shape:
-    """One tree shape: ``width`` children per node, ``depth`` levels, ``budget`` drafted nodes, context on / off."""
+    """One tree shape: ``width`` children per node, ``depth`` levels, ``budget`` drafted nodes, context on / off;
+    ``drafter=False``: no drafter forward, the first context match alone (a *context chain*)."""
 
     width: int
     depth: int
     budget: int
     context: bool
+    drafter: bool = True
 
     @property
     def plain(self) -> bool:
@@ -80,6 +85,8 @@ class Shape:
     def label(self) -> str:
         if self.plain:
             return "plain"
+        if not self.drafter:
+            return f"context chain d{self.depth}"
         kind = "chain" if self.width == 1 else f"tree w{self.width}"
         return f"{kind} d{self.depth} b{self.budget}" + (" +context" if self.context else "")
 
@@ -87,12 +94,18 @@ class Shape:
 PLAIN = Shape(1, 0, 0, False)
 
 
-def shapes_from(width: int, depth: int, budget: int, context: bool, chains: bool = True) -> list[Shape]:
-    """The configured shape first, then (``chains``) chains of at most 8, 4 and 2 levels without context matches
-    (deduplicated), and the plain step."""
+def shapes_from(width: int, depth: int, budget: int, context: bool, chains: bool = True,
+                context_depth: int | None = None) -> list[Shape]:
+    """The configured shape first, then (``chains``) chains of at most 8, 4 and 2 levels without context matches,
+    (``context_depth``: the tokens of a context match) context chains of at most 8, 4 and 2 tokens without the
+    drafter (deduplicated), and the plain step."""
     out = [Shape(width, depth, budget, context)]
     for d in CHAIN_DEPTHS if chains else ():
         chain = Shape(1, min(depth, d, budget), min(depth, d, budget), False)
+        if chain not in out and chain.depth > 0:
+            out.append(chain)
+    for d in CHAIN_DEPTHS if chains and context and context_depth else ():
+        chain = Shape(1, min(context_depth, d, budget), min(context_depth, d, budget), True, drafter=False)
         if chain not in out and chain.depth > 0:
             out.append(chain)
     if PLAIN not in out:
@@ -105,6 +118,15 @@ def chain_shapes(depth: int, budget: int | None = None, context: bool = False, w
     """:func:`shapes_from` for a strategy whose configured tree is ``depth`` levels deep with ``budget`` drafted
     nodes at most (default: ``depth``)."""
     return shapes_from(width, depth, depth if budget is None else budget, context, chains)
+
+
+def path_prefix(verdict, nodes: torch.Tensor) -> torch.Tensor:
+    """``[batch]``: how many of each row's accepted nodes are, one after the other from the root, the nodes of
+    ``nodes`` ``[batch, length]`` (a path from the root's child down, ``-1`` past its end)."""
+    path = verdict.path[:, 1:]
+    n = min(path.shape[1], nodes.shape[1])
+    ok = (nodes[:, :n] >= 0) & (path[:, :n] == nodes[:, :n])
+    return ok.long().cumprod(1).sum(1)
 
 
 def first_child_prefix(tree, verdict) -> torch.Tensor:
@@ -135,18 +157,21 @@ class BatchPolicy:
     forward may feed for the whole batch (``None``: no cap).
     """
 
-    #: decayed sums: each new measurement of a quantity scales the old ones by this
+    #: decayed token sums: each new step scales the old ones by this
     decay = 0.98
     #: steps of a shape in a bucket before its step time is trusted
     min_samples = 2
+    #: the last step times of a shape in a bucket that its estimate is the lower median of
+    window = 8
     #: the longest gap between visits of a configured tree that keeps losing (``explore_every`` doubles up to it)
     max_gap = 128
 
     def __init__(self, shapes: list[Shape], explore_every: int = 16, memory: tuple | None = None,
-                 max_step_tokens: int | None = None):
+                 max_step_tokens: int | None = None, nodes=None):
         if not shapes:
             raise ValueError("BatchPolicy needs at least one shape.")
         self.shapes = list(shapes)
+        self.nodes = nodes  # a budget.CostAwareBudget: which nodes of a row's tree are worth feeding (cost_aware)
         self.explore_every = explore_every
         self.max_step_tokens = max_step_tokens
         self.memory = memory
@@ -154,7 +179,7 @@ class BatchPolicy:
         n = len(self.shapes)
         # per shape: decayed sums of committed tokens over the configured tree's steps (the others': what they
         # would have committed on those steps); own: per shape, decayed [committed tokens, row-steps] of its own
-        # steps; per (bucket, shape): [seconds, steps]
+        # steps; per (bucket, shape): its last step times (see seconds)
         self.tokens = list(known["tokens"]) if known else [0.0] * n
         self.own = [list(v) for v in known["own"]] if known else [[0.0, 0.0] for _ in range(n)]
         self.times = {k: list(v) for k, v in known["times"].items()} if known else {}
@@ -186,13 +211,22 @@ class BatchPolicy:
                                                    if any(o[1] > 0 for o in self.own) else 1.0)
 
     def seconds(self, bucket: int, shape: int) -> float | None:
-        seconds, steps = self.times.get((bucket, shape), (0.0, 0.0))
-        return seconds / steps if steps > 0 else None
+        """The step time of ``shape`` in ``bucket``: the lower median of its last :attr:`window` steps there (a step
+        slowed by something else, a first call's warm-up or another process, does not stick), ``None`` unmeasured."""
+        samples = self.times.get((bucket, shape))
+        return sorted(samples)[(len(samples) - 1) // 2] if samples else None
 
     def allowed(self, rows: int) -> list[int]:
         """The shapes a step of ``rows`` active rows may use under ``max_step_tokens`` (the plain step always)."""
         cap = self.max_step_tokens
         return [i for i, s in enumerate(self.shapes) if s.plain or cap is None or rows * (s.budget + 1) <= cap]
+
+    def start_step(self, rows: int, forward_seconds: float, fed: int | None) -> int:
+        """Before a step: the node budget's timings (the target's cumulated forward seconds and the tokens of the
+        last forward), then :meth:`choose`."""
+        if self.nodes is not None:
+            self.nodes.observe(forward_seconds, fed)
+        return self.choose(rows)
 
     def choose(self, rows: int) -> int:
         """The shape (index into ``shapes``) of the next step of a batch of ``rows`` active rows."""
@@ -204,12 +238,15 @@ class BatchPolicy:
         if young is not None:
             pick = young
         else:
-            measured = [i for i in allowed if self.seconds(b, i) is not None]
-            best = max(measured, key=lambda i: self.relative_tokens(i) / self.seconds(b, i))
+            rate = {i: self.relative_tokens(i) / self.seconds(b, i) for i in allowed if self.seconds(b, i) is not None}
+            best = max(rate, key=rate.get)
             if best == 0:
                 self.gap = self.explore_every
-            pick = 0 if 0 in allowed and self.since_tree >= self.gap else best
-            if pick == 0 and best != 0:  # a visit of a tree that is not the best: the next one comes later
+            # revisit the tree (fresh paired counts) while it is within 2x of the best here; a visit of a tree that is
+            # not the best doubles the gap to the next one
+            revisit = best != 0 and 0 in rate and 2 * rate[0] >= rate[best] and self.since_tree >= self.gap
+            pick = 0 if revisit else best
+            if revisit:
                 self.gap = min(2 * self.gap, self.max_gap)
         self.since_tree = 0 if pick == 0 else self.since_tree + 1
         self.used[pick] += 1
@@ -221,14 +258,16 @@ class BatchPolicy:
     def _young(self, b: int, allowed: list[int]) -> int | None:
         """The shape to measure next in bucket ``b``, or ``None`` when every shape worth measuring is measured.
 
-        The configured tree comes first (its steps feed the paired counts), then the plain step (the cheapest step
-        there is), then a chain only while it could still win: its tokens over the plain step's time (a bound on
-        its rate, since no step is faster than the plain one) beat the best rate measured so far. At batch 1 a good
-        tree is never left for a chain that cannot catch up."""
+        The configured tree comes first, once (its steps feed the paired counts, which do not depend on the batch
+        size), then the plain step of the bucket (the cheapest step there is). Any other shape is measured only
+        while it could still win: its tokens over a lower bound of its time (the plain step's time in this bucket,
+        and its own time in a smaller bucket: more rows are never faster) must beat the best rate measured in the
+        bucket. A good tree at batch 1 is not left to measure chains that cannot catch up, and a tree that lost at
+        batch 16 is not tried at batch 32."""
         def young(i):
-            return self.times.get((b, i), (0, 0))[1] < self.min_samples
+            return len(self.times.get((b, i), ())) < self.min_samples
         paired = 0 in allowed
-        if paired and (young(0) or self.tokens[0] == 0):
+        if paired and self.tokens[0] == 0:
             return 0
         plain = next((i for i in allowed if self.shapes[i].plain), None)
         if plain is not None and young(plain):
@@ -238,8 +277,12 @@ class BatchPolicy:
             return rest[0] if rest else None
         measured = [i for i in allowed if not young(i)]
         best = max(self.relative_tokens(i) / self.seconds(b, i) for i in measured)
-        floor = self.seconds(b, plain) if plain is not None else min(self.seconds(b, i) for i in measured)
-        hopeful = [i for i in rest if self.relative_tokens(i) / floor > best]
+
+        def optimistic(i):
+            smaller = [self.seconds(k, i) for k in range(b) if self.seconds(k, i) is not None]
+            floor = max([self.seconds(b, plain) if plain is not None else 0.0] + smaller)
+            return self.relative_tokens(i) / floor if floor > 0 else float("inf")
+        hopeful = sorted((i for i in rest if optimistic(i) > best), key=optimistic, reverse=True)
         return hopeful[0] if hopeful else None
 
     @property
@@ -255,6 +298,8 @@ class BatchPolicy:
     def observe(self, tree, verdict) -> None:
         """After the step's verification: the tokens it committed and, on a step of the configured tree, what every
         other shape would have committed on it (:func:`first_child_prefix`)."""
+        if self.nodes is not None:
+            self.nodes.learn(tree, verdict)
         if self._pending is None:
             return
         pick = self._pending[0]
@@ -264,9 +309,16 @@ class BatchPolicy:
         own[1] = self.decay * own[1] + committed.numel()
         if pick == 0:  # paired counts
             prefix = first_child_prefix(tree, verdict)
+            context = None  # the first context match's path (tree.context_path), for context chains
             self.tokens[0] = self.decay * self.tokens[0] + float(committed.sum())
             for i, shape in enumerate(self.shapes[1:], 1):
-                would = prefix.clamp(max=shape.depth) + 1
+                if not shape.drafter:
+                    if context is None:
+                        context = (path_prefix(verdict, tree.context_path) if tree.context_path is not None
+                                   else torch.zeros_like(prefix))
+                    would = context.clamp(max=shape.depth) + 1
+                else:
+                    would = prefix.clamp(max=shape.depth) + 1
                 self.tokens[i] = self.decay * self.tokens[i] + float(would.sum())
         self._done = True
 
@@ -275,14 +327,16 @@ class BatchPolicy:
         if self._pending is None or not self._done:
             return
         pick, b, start = self._pending
-        t = self.times.setdefault((b, pick), [0.0, 0.0])
-        t[0] = self.decay * t[0] + max(time.perf_counter() - start, 1e-9)
-        t[1] = self.decay * t[1] + 1
+        t = self.times.setdefault((b, pick), [])
+        t.append(max(time.perf_counter() - start, 1e-9))
+        del t[: -self.window]
         self._done = False
 
     def finish(self) -> None:
         """At the end of the call: close the last step and keep the measurements for the owner's next call."""
         self.close()
+        if self.nodes is not None:
+            self.nodes.remember()
         if self.memory is not None:
             owner, key = self.memory
             _MEMORY.setdefault(owner, {})[key] = {"tokens": list(self.tokens), "own": [list(o) for o in self.own],
@@ -292,7 +346,8 @@ class BatchPolicy:
     def stats(self) -> dict:
         total = max(sum(self.row_steps), 1)
         plain = sum(n for s, n in zip(self.shapes, self.row_steps) if s.plain)
-        return {"shape_steps": {s.label: n for s, n in zip(self.shapes, self.used) if n},
+        nodes = {} if self.nodes is None else self.nodes.stats
+        return {**nodes, "shape_steps": {s.label: n for s, n in zip(self.shapes, self.used) if n},
                 "shape_row_steps": {s.label: n for s, n in zip(self.shapes, self.row_steps) if n},
                 "speculated_row_share": 1.0 - plain / total}
 
@@ -312,10 +367,13 @@ def check_policy_settings(adaptive, max_step_tokens) -> None:
                              "with it, or drop it.")
 
 
-def batch_policy(run, shapes: list[Shape], owner, adaptive: bool, max_step_tokens: int | None = None):
-    """The :class:`BatchPolicy` of a call (``None`` when ``adaptive`` is off); its measurements carry over per
-    ``owner`` (a drafter, or the model), strategy, device, dtype and shapes."""
-    if not adaptive:
+def batch_policy(run, shapes: list[Shape], owner, adaptive: bool, max_step_tokens: int | None = None, nodes=None):
+    """The :class:`BatchPolicy` of a call: ``shapes`` when ``adaptive``, else the configured one only; ``nodes``: a
+    :class:`~.budget.CostAwareBudget` that cuts each row's tree node by node (``cost_aware=True``). ``None`` when
+    there is nothing to decide. Its measurements carry over per ``owner`` (a drafter, or the model), strategy,
+    device, dtype and shapes."""
+    if not adaptive and nodes is None:
         return None
+    shapes = list(shapes) if adaptive else list(shapes[:1])
     key = (run.name, str(run.rows.device), str(run.model.dtype), tuple(shapes))
-    return BatchPolicy(shapes, memory=(owner, key), max_step_tokens=max_step_tokens)
+    return BatchPolicy(shapes, memory=(owner, key), max_step_tokens=max_step_tokens, nodes=nodes)

@@ -156,7 +156,8 @@ class ComposedTreeProposer(Proposer):
         self.context = (ContextNgrams(run, context_tokens, context_ngram_size, context_matches)
                         if context_matches else None)
         self.max_nodes = None if tree_budget is None else tree_budget + 1
-        self.cost_budget = (CostAwareBudget(run.model, num_sources=3, mandatory_sources=mandatory,
+        # the node budget (cost_aware): the proposer hands it to its batch policy, which the loop talks to
+        self.node_budget = (CostAwareBudget(run.model, num_sources=3, mandatory_sources=mandatory,
                                             device=run.rows.device, memory=(run.model, run.name))
                             if cost_aware else None)
 
@@ -182,7 +183,7 @@ class ContextNgramProposer(ComposedTreeProposer):
         self.compose(run, max_matches, num_tokens, max_ngram_size, tree_budget, cost_aware)
         # shapes: every match merged (the configured tree), the first match cut to 8 / 4 / 2 tokens, a plain step
         self.policy = batch_policy(run, shapes_from(max_matches, num_tokens, tree_budget, True), run.model, adaptive,
-                                   max_step_tokens)
+                                   max_step_tokens, self.node_budget)
 
     @property
     def stats(self) -> dict:

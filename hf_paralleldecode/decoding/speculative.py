@@ -118,18 +118,19 @@ class DraftProposer(Proposer):
         self.run, self.drafter, self.state, self.vocab = run, drafter, state, vocab
         self.context = (ContextNgrams(run, context_tokens, context_ngram_size, context_matches)
                         if context_matches else None)
-        self.cost_budget = None
+        nodes = None
         if cost_aware:
             # the drafter's calibration carries over from its last call (a drafter serves one target)
-            self.cost_budget = CostAwareBudget(run.model, num_sources=CONTEXT + 1, device=run.rows.device,
-                                               memory=(drafter, "speculative"))
-            for bucket, mean in enumerate(() if self.cost_budget.carried else self.Q_PRIOR):
-                self.cost_budget.acceptance.set_prior(self.cost_budget.key(GUESSES, bucket), mean)
+            nodes = CostAwareBudget(run.model, num_sources=CONTEXT + 1, device=run.rows.device,
+                                    memory=(drafter, "speculative"))
+            for bucket, mean in enumerate(() if nodes.carried else self.Q_PRIOR):
+                nodes.acceptance.set_prior(nodes.key(GUESSES, bucket), mean)
         self.context_steps = 0  # steps whose tree held context nodes
         self.budget, self.width, self.depth = budget, width, depth
         # the batch's tree shape per step (decoding/policy.py); measurements carry over per drafter and device
-        self.policy = batch_policy(run, shapes_from(width, depth, budget, self.context is not None), drafter,
-                                   adaptive, max_step_tokens)
+        shapes = shapes_from(width, depth, budget, self.context is not None,
+                             context_depth=context_tokens if self.context is not None else None)
+        self.policy = batch_policy(run, shapes, drafter, adaptive, max_step_tokens, nodes)
         self.waves = waves  # branch-expanding drafters: forwards per step at most
         self.sample = bool(run.generation_config.do_sample)
         self.roots = run.log.tokens[run.rows, 0].clone()  # [active] the first token, committed by the prefill
@@ -172,16 +173,18 @@ class DraftProposer(Proposer):
         budgets = [run.log.max_new_tokens - c for c in counts]
         roots = self.roots.tolist()
         width, depth, budget, context = self.width, self.depth, self.budget, self.context is not None
-        shape = self.shape
+        shape, drafting = self.shape, True
         if shape is not None:
-            width, depth, budget, context = shape.width, shape.depth, shape.budget, shape.context
+            width, depth, budget, context, drafting = shape.width, shape.depth, shape.budget, shape.context, shape.drafter
         self.step_depth = depth
         found = self.context.candidates(counts) if context else None
+        if not drafting:  # a context chain: the first match alone, no drafter forward
+            found = [[f[0][:depth]] if f else [] for f in found]
         # the context matches share the tree budget: up to half of it is kept for them (their distinct
         # prefixes: tokens that several matches share count once)
         reserve = [min(len({tuple(c[: k + 1]) for c in f for k in range(len(c))}), budget // 2) for f in found] \
             if found else [0] * len(roots)
-        builders = [TreeBuilder(r, budget - k, width, max(min(depth, b), 0), exact=not self.sample)
+        builders = [TreeBuilder(r, budget - k, width, max(min(depth, b), 0) if drafting else 0, exact=not self.sample)
                     for r, b, k in zip(roots, budgets, reserve)]
         self.step_budget = budget
         histories = run.histories()
@@ -194,7 +197,8 @@ class DraftProposer(Proposer):
         self.state.end_step()
         self.drafted_nodes += sum(len(bld.tokens) - 1 for bld in builders)  # the head's nodes (drafting_cost)
         context_ranks = [{} for _ in builders]  # per row: context node -> rank of the match that made it
-        added = found is not None and self._add_context(builders, found, context_ranks)
+        first_paths = [[] for _ in builders]  # per row: the nodes of the first match (the policy's context chains)
+        added = found is not None and self._add_context(builders, found, context_ranks, first_paths)
         self.context_steps += int(added)
         nodes = [(bld.tokens, bld.parents, bld.depth) for bld in builders]
         keys = None
@@ -202,6 +206,10 @@ class DraftProposer(Proposer):
             keys = [self._node_keys(bld, ranks) for bld, ranks in zip(builders, context_ranks)]
             nodes, keys = self._trim(nodes, keys)
         tree = self._pack(nodes, q_store, sample_then_match=self._sample_then_match(found))
+        if added and keys is None:
+            longest = max(map(len, first_paths))
+            tree.context_path = torch.tensor([p + [-1] * (longest - len(p)) for p in first_paths],
+                                             device=tree.tokens.device)
         if keys is not None:
             width = tree.tokens.shape[1]
             tree.node_keys = torch.tensor([k + [-1] * (width - len(k)) for k in keys], device=tree.tokens.device)
@@ -279,12 +287,12 @@ class DraftProposer(Proposer):
             waves += 1
             self._evaluate(builders, self._flat(wanted), logits, histories, row_ids, q_store)
 
-    def _add_context(self, builders, found, ranks) -> bool:
+    def _add_context(self, builders, found, ranks, first_paths) -> bool:
         """Insert each row's context continuations into its head tree (a trie: shared prefixes merge)
         within ``tree_budget`` drafted nodes; True when a node was added. ``ranks``: per row, filled with
-        each added node's match rank."""
+        each added node's match rank; ``first_paths``: per row, filled with the nodes of the first match."""
         added = False
-        for bld, cands, row_ranks in zip(builders, found, ranks):
+        for bld, cands, row_ranks, first in zip(builders, found, ranks, first_paths):
             child = {(p, t): v for v, (p, t) in enumerate(zip(bld.parents, bld.tokens)) if v}
             for rank, cand in enumerate(cands):
                 node = 0
@@ -299,6 +307,8 @@ class DraftProposer(Proposer):
                         bld.depth.append(bld.depth[node] + 1)
                         added = True
                     node = child[(node, tok)]
+                    if rank == 0:
+                        first.append(node)
         return added
 
     def _node_keys(self, bld, context_ranks: dict) -> list[int]:

@@ -48,6 +48,8 @@ class PackedTree:
     candidate_fresh: torch.Tensor | None = None  # [batch, candidates, length] the tokens that created their node
     candidate_sources: torch.Tensor | None = None  # [batch, candidates] proposer id of each candidate (budgeted trees)
     q: torch.Tensor | None = None  # [batch, nodes, vocab] draft probabilities each node's children were drawn from
+    context_path: torch.Tensor | None = None  # [batch, length] the nodes of each row's first context match, -1 past
+    # its end (trees that merge context matches into a drafter's tree: the batch policy's context chains)
     node_keys: torch.Tensor | None = None  # [batch, nodes] budget statistics key of each drafted node, -1 for the root
     # and filler (trees a CostAwareBudget trimmed node by node, see budget.CostAwareBudget.trim)
     _max_depth: int | None = None  # see max_depth

@@ -224,13 +224,23 @@ def _walk_on_host(tree, choices: torch.Tensor) -> Verdict:
                    tokens=torch.tensor(committed, device=device), choices=choices, host=(paths, nums, committed))
 
 
+def sample_by_uniforms(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One token per distribution (``probs [..., vocab]``) by inverse CDF from ``uniforms [...]`` in ``[0, 1)``: the
+    first token whose cumulative probability exceeds ``u`` times the total (never a token of zero probability)."""
+    cdf = probs.cumsum(-1)
+    value = (uniforms.to(cdf.dtype) * cdf[..., -1])[..., None]
+    return torch.searchsorted(cdf, value, right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
+
+
 def verify_tree(tree, scores: torch.Tensor | None, do_sample: bool, q: torch.Tensor | None = None,
-                choices: torch.Tensor | None = None) -> Verdict:
+                choices: torch.Tensor | None = None, uniforms: torch.Tensor | None = None) -> Verdict:
     """Apply the rule that fits (greedy / sample-then-match / rejection sampling) to one packed tree.
 
     ``scores`` ``[batch, nodes, vocab]`` are the target's processed scores; ``q`` the drafter's
     probabilities (sampling only; ignored when greedy, where acceptance is exact match). A greedy
-    step may pass the target's ``choices`` ``[batch, nodes]`` (its argmax) instead of ``scores``.
+    step may pass the target's ``choices`` ``[batch, nodes]`` (its argmax) instead of ``scores``. A sampled step
+    without ``q`` may pass ``uniforms`` ``[batch, nodes]``: each node's sample is then drawn by inverse CDF from its
+    uniform (:func:`sample_by_uniforms`) instead of ``torch.multinomial``.
     """
     if choices is not None and do_sample:
         raise ValueError("verify_tree: choices stand for a greedy step's scores; sampling needs the scores.")
@@ -241,7 +251,10 @@ def verify_tree(tree, scores: torch.Tensor | None, do_sample: bool, q: torch.Ten
     else:
         if do_sample:
             probs = torch.softmax(scores, dim=-1)  # [batch, nodes, vocab]
-            choices = torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1).reshape(probs.shape[:2])
+            if uniforms is not None:
+                choices = sample_by_uniforms(probs, uniforms)
+            else:
+                choices = torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1).reshape(probs.shape[:2])
         elif choices is None:
             choices = greedy_argmax(scores)  # [batch, nodes]
         if not tree.is_chain and choices.numel() <= HOST_WALK_NODES:
