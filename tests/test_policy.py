@@ -57,6 +57,7 @@ def test_first_child_prefix_is_how_far_the_accepted_path_ran_along_first_childre
 
 def _measured(policy, bucket, seconds, relative):
     policy.tokens = [100.0] + [100.0 * r for r in relative]
+    policy.own[0] = [100.0, 20.0]  # the tree has run
     for i, s in enumerate(seconds):
         policy.times[(bucket, i)] = [s] * 4
 
@@ -74,6 +75,8 @@ def test_the_policy_measures_every_shape_then_takes_the_best_predicted_rate_and_
 
 def test_paired_counts_come_only_from_steps_of_the_configured_tree():
     policy = BatchPolicy(shapes_from(4, 16, 20, True))  # tree, chain 8, chain 4, chain 2, plain
+    assert policy.tokens == [17.0, 1.0, 1.0, 1.0, 1.0]  # the prior: the tree commits its depth + 1, the others 1
+    policy.tokens = [0.0] * 5  # (plain sums below)
     tree = tree_from_parents(torch.tensor([9, 9]), [[9, 1, 2, 3, 4], [9, 1, 2]], [[-1, 0, 1, 2, 3], [-1, 0, 0]],
                              [[0, 1, 2, 3, 4], [0, 1, 1]])
     policy.choose(2)
@@ -252,3 +255,35 @@ def test_one_slow_first_step_does_not_lock_a_shape_out():
     assert policy.seconds(b, 0) == 0.010
     policy.times[(b, 4)] = [0.008, 0.008]
     assert policy.choose(3) == 0  # the tree: 1 / 0.010 beats the plain step's 0.2 / 0.008
+
+
+def test_cost_aware_without_adaptive_keeps_the_configured_tree_as_the_batch_shrinks():
+    model = enabled("llama")
+    ids, mask = prompts(3)
+    for decoding, settings in STRATEGIES:
+        if decoding == "jacobi":
+            continue  # (no node budget)
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False, decoding=decoding,
+                             adaptive=False, cost_aware=True, return_dict_in_generate=True,
+                             **_settings(model, decoding, settings))
+        torch.testing.assert_close(out.sequences, reference("llama", 3, 24), rtol=0, atol=0)
+        assert len(out.stats["shape_steps"]) == 1 and "budget_optional_nodes_per_step" in out.stats
+
+
+@pytest.mark.parametrize("decoding, settings", STRATEGIES, ids=_ids(STRATEGIES))
+def test_batch_16_of_mixed_lengths_is_exact_with_the_policys_own_choices(decoding, settings):
+    """The policy deciding from its own measurements (no script) while rows of different lengths finish at different
+    steps and the batch shrinks through every bucket: still stock greedy, over three calls (memory carried)."""
+    model = enabled("qwen3")
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(3, 90, (16, 12), generator=g)
+    mask = torch.ones_like(ids)
+    for i in range(16):
+        mask[i, : i % 7] = 0  # 0 to 6 pad tokens
+    ids[mask == 0] = 0
+    ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=40, do_sample=False)
+    settings = _settings(model, decoding, settings)
+    for _ in range(3):
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=40, do_sample=False,
+                             decoding=decoding, return_dict_in_generate=True, **settings)
+        torch.testing.assert_close(out.sequences, ref, rtol=0, atol=0)

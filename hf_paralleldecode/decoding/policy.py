@@ -159,6 +159,8 @@ class BatchPolicy:
 
     #: decayed token sums: each new step scales the old ones by this
     decay = 0.98
+    #: row-steps the optimistic prior of the paired token sums is worth
+    prior = 1.0
     #: steps of a shape in a bucket before its step time is trusted
     min_samples = 2
     #: the last step times of a shape in a bucket that its estimate is the lower median of
@@ -180,7 +182,10 @@ class BatchPolicy:
         # per shape: decayed sums of committed tokens over the configured tree's steps (the others': what they
         # would have committed on those steps); own: per shape, decayed [committed tokens, row-steps] of its own
         # steps; per (bucket, shape): its last step times (see seconds)
-        self.tokens = list(known["tokens"]) if known else [0.0] * n
+        # (the paired sums start from a prior worth one row-step in which the configured tree commits its whole depth
+        # + 1 and every other shape one token: one unlucky first step does not lock the configured tree out, and the
+        # others need real evidence to win)
+        self.tokens = list(known["tokens"]) if known else [self.prior * (self.shapes[0].depth + 1)] + [self.prior] * (n - 1)
         self.own = [list(v) for v in known["own"]] if known else [[0.0, 0.0] for _ in range(n)]
         self.times = {k: list(v) for k, v in known["times"].items()} if known else {}
         self.steps = 0
@@ -196,8 +201,8 @@ class BatchPolicy:
         return max(int(rows), 1).bit_length() - 1  # 1, 2-3, 4-7, 8-15, ...
 
     def relative_tokens(self, shape: int) -> float:
-        """Tokens ``shape`` commits per row and step, relative to the configured tree (paired when it ran)."""
-        if self.tokens[0] > 0:
+        """Tokens ``shape`` commits per row and step, relative to the configured tree (paired once it ran)."""
+        if self.own[0][1] > 0 or not any(o[1] > 0 for o in self.own):
             return self.tokens[shape] / self.tokens[0]
         if self.shapes[shape].plain:  # one token per row and step
             return 1.0 / self.tree_tokens()
@@ -234,7 +239,7 @@ class BatchPolicy:
         b = self.bucket(rows)
         self.steps += 1
         allowed = self.allowed(rows)
-        young = self._young(b, allowed)
+        young = allowed[0] if len(allowed) == 1 else self._young(b, allowed)  # (one shape: nothing to decide)
         if young is not None:
             pick = young
         else:
@@ -267,7 +272,7 @@ class BatchPolicy:
         def young(i):
             return len(self.times.get((b, i), ())) < self.min_samples
         paired = 0 in allowed
-        if paired and self.tokens[0] == 0:
+        if paired and self.own[0][1] == 0:  # the tree has never run
             return 0
         plain = next((i for i in allowed if self.shapes[i].plain), None)
         if plain is not None and young(plain):
@@ -276,6 +281,8 @@ class BatchPolicy:
         if not paired:  # no paired counts: a chain is known by its own steps only
             return rest[0] if rest else None
         measured = [i for i in allowed if not young(i)]
+        if not measured:
+            return rest[0]
         best = max(self.relative_tokens(i) / self.seconds(b, i) for i in measured)
 
         def optimistic(i):
