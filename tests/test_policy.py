@@ -163,8 +163,11 @@ def _ids(strategies):
 @pytest.mark.parametrize("decoding, settings", STRATEGIES, ids=_ids(STRATEGIES))
 def test_output_is_exact_whichever_shapes_the_policy_picks(monkeypatch, arch, batch, decoding, settings):
     """The shapes switch between steps (plain steps back to back too), and the output is still stock greedy."""
+    from hf_paralleldecode.decoding.speculative import DraftProposer
+
+    monkeypatch.setattr(DraftProposer, "context_chains", True)  # speculative's context chains too (shapes 4 to 6)
     model = enabled(arch)
-    _script(monkeypatch, [0, 1, -1, 2, 0, 3, 4, 5, -1, -1, 6, 1, 4])  # context chains too (speculative: 4 to 6)
+    _script(monkeypatch, [0, 1, -1, 2, 0, 3, 4, 5, -1, -1, 6, 1, 4])
     ids, mask = prompts(batch)
     out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False, decoding=decoding,
                          return_dict_in_generate=True, **_settings(model, decoding, settings))
@@ -234,6 +237,9 @@ def test_sampled_output_is_distributed_as_stock_whichever_shapes_the_policy_pick
     torch.manual_seed(0)
     stock = model.generate(**kwargs)
     if decoding == "speculative":
+        from hf_paralleldecode.decoding.speculative import DraftProposer
+
+        monkeypatch.setattr(DraftProposer, "context_chains", True)  # shape 3: a context chain
         torch.manual_seed(0)
         settings = {**settings, "drafter": DraftHead.for_target(model, attention="block_bidirectional", block_size=4)}
     _script(monkeypatch, picks)
@@ -251,8 +257,8 @@ def test_one_slow_first_step_does_not_lock_a_shape_out():
     policy.tokens = [100.0, 70.0, 45.0, 30.0, 20.0]
     policy.times[(b, 0)] = [0.500]  # a first call's warm-up: 50x the tree's real time
     assert policy.seconds(b, 0) == 0.500
-    policy.times[(b, 0)].append(0.010)
-    assert policy.seconds(b, 0) == 0.010
+    policy.times[(b, 0)] += [0.010, 0.012]
+    assert policy.seconds(b, 0) == pytest.approx(0.011)  # the slowest step is left out
     policy.times[(b, 4)] = [0.008, 0.008]
     assert policy.choose(3) == 0  # the tree: 1 / 0.010 beats the plain step's 0.2 / 0.008
 
@@ -287,3 +293,15 @@ def test_batch_16_of_mixed_lengths_is_exact_with_the_policys_own_choices(decodin
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=40, do_sample=False,
                              decoding=decoding, return_dict_in_generate=True, **settings)
         torch.testing.assert_close(out.sequences, ref, rtol=0, atol=0)
+
+
+def test_at_a_large_batch_a_small_predicted_gain_keeps_the_plain_step():
+    policy = BatchPolicy(shapes_from(4, 16, 20, True))
+    policy.tokens, policy.own[0] = [100.0, 60.0, 40.0, 30.0, 20.0], [100.0, 20.0]
+    for rows, chain_seconds, expected in ((16, 0.055, 4), (16, 0.040, 1), (4, 0.055, 1)):
+        b = BatchPolicy.bucket(rows)
+        policy.times = {(b, 0): [0.5] * 3, (b, 1): [chain_seconds] * 3, (b, 2): [1.0] * 3, (b, 3): [1.0] * 3,
+                        (b, 4): [0.020] * 3}
+        # chain 8 against the plain step: 0.6 / 0.055 = 10.9 is 9% above 0.2 / 0.020 = 10 (not enough at 16 rows);
+        # 0.6 / 0.040 = 15 is 50% above; at 4 rows any gain counts
+        assert policy.choose(rows) == expected

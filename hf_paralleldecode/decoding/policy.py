@@ -167,6 +167,11 @@ class BatchPolicy:
     window = 8
     #: the longest gap between visits of a configured tree that keeps losing (``explore_every`` doubles up to it)
     max_gap = 128
+    #: from this many active rows on, a shape must be predicted ``margin`` faster than the plain step to be used:
+    #: rows that speculate fall out of step, and a batch that keeps its slowest rows runs its last steps nearly
+    #: empty, a cost no per-step rate sees
+    margin_rows = 8
+    margin = 0.15
 
     def __init__(self, shapes: list[Shape], explore_every: int = 16, memory: tuple | None = None,
                  max_step_tokens: int | None = None, nodes=None):
@@ -216,10 +221,15 @@ class BatchPolicy:
                                                    if any(o[1] > 0 for o in self.own) else 1.0)
 
     def seconds(self, bucket: int, shape: int) -> float | None:
-        """The step time of ``shape`` in ``bucket``: the lower median of its last :attr:`window` steps there (a step
-        slowed by something else, a first call's warm-up or another process, does not stick), ``None`` unmeasured."""
+        """The step time of ``shape`` in ``bucket``: the mean of its last :attr:`window` steps there without the
+        slowest one once there are three (a step slowed by a first call's warm-up or another process does not
+        stick, while a shape whose steps are often slow, a drafter catching up, is charged for them), ``None``
+        unmeasured."""
         samples = self.times.get((bucket, shape))
-        return sorted(samples)[(len(samples) - 1) // 2] if samples else None
+        if not samples:
+            return None
+        kept = sorted(samples)[:-1] if len(samples) >= 3 else samples
+        return sum(kept) / len(kept)
 
     def allowed(self, rows: int) -> list[int]:
         """The shapes a step of ``rows`` active rows may use under ``max_step_tokens`` (the plain step always)."""
@@ -245,6 +255,9 @@ class BatchPolicy:
         else:
             rate = {i: self.relative_tokens(i) / self.seconds(b, i) for i in allowed if self.seconds(b, i) is not None}
             best = max(rate, key=rate.get)
+            plain = next((i for i in rate if self.shapes[i].plain), None)
+            if plain is not None and rows >= self.margin_rows and rate[best] < (1 + self.margin) * rate[plain]:
+                best = plain  # a small predicted gain at a large batch: the plain step's cost is certain
             if best == 0:
                 self.gap = self.explore_every
             # revisit the tree (fresh paired counts) while it is within 2x of the best here; a visit of a tree that is

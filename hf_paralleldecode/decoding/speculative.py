@@ -112,6 +112,9 @@ class DraftProposer(Proposer):
     #: the prior acceptance of each bucket (its middle ``q``, worth two verdicts): a run starts from the drafter's
     #: own confidence, not from 1/2 at every depth (which would undervalue a confident deep chain until learned)
     Q_PRIOR = (0.9, 0.6, 0.25, 0.05)
+    #: offer the batch policy context chains (the first context match alone, no drafter forward) as well: off, since
+    #: they did not pay on the project's CPU and every shape offered costs exploration steps
+    context_chains = False
 
     def __init__(self, run, drafter, state, vocab, budget, width, depth, waves, context_matches=0, context_tokens=10,
                  context_ngram_size=3, cost_aware=False, adaptive=True, max_step_tokens=None):
@@ -128,8 +131,9 @@ class DraftProposer(Proposer):
         self.context_steps = 0  # steps whose tree held context nodes
         self.budget, self.width, self.depth = budget, width, depth
         # the batch's tree shape per step (decoding/policy.py); measurements carry over per drafter and device
-        shapes = shapes_from(width, depth, budget, self.context is not None,
-                             context_depth=context_tokens if self.context is not None else None)
+        context = self.context is not None
+        shapes = shapes_from(width, depth, budget, context, context_depth=context_tokens if context and self.context_chains
+                             else None)
         self.policy = batch_policy(run, shapes, drafter, adaptive, max_step_tokens, nodes)
         self.waves = waves  # branch-expanding drafters: forwards per step at most
         self.sample = bool(run.generation_config.do_sample)
