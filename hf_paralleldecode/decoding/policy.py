@@ -37,6 +37,9 @@ The rule
       counts; the gap doubles, up to ``max_gap``, while another shape stays faster, and is reset when the tree is the
       best again).
 
+    From ``margin_rows`` active rows on, a shape must be predicted ``margin`` faster than the plain step: rows that
+    speculate fall out of step, and a batch that waits for its slowest rows runs its last steps nearly empty.
+
     Measurements carry over to the next call of the same owner (the drafter, or the model) with the same device,
     dtype and shapes, so a server's first call pays the exploration once.
 
