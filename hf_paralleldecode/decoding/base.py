@@ -180,9 +180,9 @@ class DecodeRun:
         position plus the node's depth). A sample-then-match step draws the target's token after a node by inverse
         CDF from it, so the token committed at a position uses that position's uniform whatever the tree held:
         a fixed seed gives the same sampled output whichever shapes the batch policy picked."""
-        counts = self.log.count[self.rows].to(tree.depth.device)  # committed tokens: the next one has this index
+        counts = self.log.count[self.rows]  # committed tokens: the next one has this index
         index = (counts[:, None] + tree.depth).clamp(max=self.uniforms.shape[1] - 1)
-        return self.uniforms.to(tree.depth.device)[self.rows.to(tree.depth.device)].gather(1, index)
+        return self.uniforms[self.rows].gather(1, index)
 
     @property
     def num_forward_passes(self) -> int:
@@ -391,7 +391,7 @@ def start(
         first = torch.multinomial(torch.softmax(scores, dim=-1), 1).squeeze(1)
         # the draws of later positions (see DecodeRun.position_uniforms), from a generator seeded by the user's RNG
         generator = torch.Generator().manual_seed(int(torch.randint(0, 2**62, (1,))))
-        run.uniforms = torch.rand(batch, log.max_new_tokens + 1, generator=generator)
+        run.uniforms = torch.rand(batch, log.max_new_tokens + 1, generator=generator).to(input_ids.device)
     else:
         first = scores.argmax(-1)
     log.add(rows, first[:, None], torch.ones_like(first), scores[:, None], logits[:, None])
@@ -444,9 +444,6 @@ class Proposer:
     def select(self, kept: torch.Tensor) -> None:
         """Default: the proposer keys its state by original row id and needs no compaction."""
 
-    def finish(self) -> None:
-        """At the end of the call (default: nothing): e.g. keep measurements for the next call."""
-
 
 def decode(model, name, make_proposer, input_ids, logits_processor, stopping_criteria, generation_config,
            streamer, model_kwargs, settings: dict, pd_streamer=None):
@@ -484,7 +481,6 @@ def decode(model, name, make_proposer, input_ids, logits_processor, stopping_cri
             if policy is not None:
                 policy.observe(tree, verdict)
             proposer.update(tree, verdict)
-        proposer.finish()
         if proposer.policy is not None:
             proposer.policy.finish()
             run.stats.update(proposer.policy.stats)

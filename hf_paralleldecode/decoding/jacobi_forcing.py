@@ -163,7 +163,7 @@ class MultiblockProposer(ComposedTreeProposer):
         counts = (verdict.num_accepted + 1).tolist()
         fills = self.run.context_draw(self.n, self.generator)
         configured = self.configured_step
-        chain_nodes = tree.candidate_index[:, 0].tolist() if tree.candidate_index.shape[1] else [[] for _ in counts]  # the chain is candidate 0 (only its nodes are read)
+        chain_nodes = tree.candidate_index[:, 0].tolist()  # the chain is candidate 0 (only its nodes are read)
         for i, r in enumerate(self.run.rows.tolist()):
             old = self.chain[r]
             nodes = [0] + [m for m in chain_nodes[i] if m >= 0]  # main-chain node of each chain position

@@ -61,8 +61,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Shape", "BatchPolicy", "ShapePolicy", "shapes_from", "chain_shapes", "first_child_prefix", "path_prefix",
-           "PLAIN", "CHAIN_DEPTHS"]
+__all__ = ["Shape", "BatchPolicy", "shapes_from", "first_child_prefix", "path_prefix", "PLAIN", "CHAIN_DEPTHS"]
 
 #: the depths of the chains every strategy offers besides its configured tree (cut to the configured depth)
 CHAIN_DEPTHS = (8, 4, 2)
@@ -116,13 +115,6 @@ def shapes_from(width: int, depth: int, budget: int, context: bool, chains: bool
     return out
 
 
-def chain_shapes(depth: int, budget: int | None = None, context: bool = False, width: int = 1,
-                 chains: bool = True) -> list[Shape]:
-    """:func:`shapes_from` for a strategy whose configured tree is ``depth`` levels deep with ``budget`` drafted
-    nodes at most (default: ``depth``)."""
-    return shapes_from(width, depth, depth if budget is None else budget, context, chains)
-
-
 def path_prefix(verdict, nodes: torch.Tensor) -> torch.Tensor:
     """``[batch]``: how many of each row's accepted nodes are, one after the other from the root, the nodes of
     ``nodes`` ``[batch, length]`` (a path from the root's child down, ``-1`` past its end)."""
@@ -139,14 +131,10 @@ def first_child_prefix(tree, verdict) -> torch.Tensor:
     parents = tree.parents
     batch, width = parents.shape
     index = torch.arange(width, device=parents.device).expand(batch, width)
-    first = torch.full((batch, width + 1), width, dtype=torch.long, device=parents.device)
+    first = torch.full((batch, width + 1), width, dtype=torch.long, device=parents.device)  # width: no child
     first.scatter_reduce_(1, torch.where(parents >= 0, parents, width), index, reduce="amin", include_self=True)
-    path = verdict.path
-    if path.shape[1] < 2:
-        return torch.zeros(batch, dtype=torch.long, device=parents.device)
-    nxt = path[:, 1:]
-    ok = (nxt >= 0) & (nxt == first.gather(1, path[:, :-1].clamp(min=0)))
-    return ok.long().cumprod(1).sum(1)
+    # the first child of each node on the accepted path: the chain that path would follow
+    return path_prefix(verdict, first.gather(1, verdict.path[:, :-1].clamp(min=0)))
 
 
 _MEMORY: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # owner -> {key: measurements of its last call}
@@ -156,17 +144,17 @@ class BatchPolicy:
     """Chooses each step's :class:`Shape` for the batch (module docstring); one per ``generate`` call.
 
     ``memory``: ``(owner, key)``; the measurements start from the owner's last call under ``key`` (the owner, a
-    drafter or a model, is held weakly) and :meth:`remember` stores this call's. ``max_step_tokens``: tokens one
+    drafter or a model, is held weakly) and :meth:`finish` stores this call's. ``max_step_tokens``: tokens one
     forward may feed for the whole batch (``None``: no cap).
     """
 
     #: decayed token sums: each new step scales the old ones by this
     decay = 0.98
-    #: row-steps the optimistic prior of the paired token sums is worth
+    #: row-steps the prior of the paired token sums is worth (see ``__init__``)
     prior = 1.0
     #: steps of a shape in a bucket before its step time is trusted
     min_samples = 2
-    #: the last step times of a shape in a bucket that its estimate is the lower median of
+    #: the last step times of a shape in a bucket that its estimate is made from (see :meth:`seconds`)
     window = 8
     #: the longest gap between visits of a configured tree that keeps losing (``explore_every`` doubles up to it)
     max_gap = 128
@@ -196,7 +184,6 @@ class BatchPolicy:
         self.tokens = list(known["tokens"]) if known else [self.prior * (self.shapes[0].depth + 1)] + [self.prior] * (n - 1)
         self.own = [list(v) for v in known["own"]] if known else [[0.0, 0.0] for _ in range(n)]
         self.times = {k: list(v) for k, v in known["times"].items()} if known else {}
-        self.steps = 0
         self.since_tree = 0
         self.gap = explore_every  # steps between visits of the configured tree (doubles while it keeps losing)
         self.used = [0] * n
@@ -212,16 +199,12 @@ class BatchPolicy:
         """Tokens ``shape`` commits per row and step, relative to the configured tree (paired once it ran)."""
         if self.own[0][1] > 0 or not any(o[1] > 0 for o in self.own):
             return self.tokens[shape] / self.tokens[0]
-        if self.shapes[shape].plain:  # one token per row and step
-            return 1.0 / self.tree_tokens()
+        # the tree never ran (a token cap keeps it out): every shape by its own steps, in tokens per row and step
+        # (one unit for all shapes, so the rates still compare)
+        if self.shapes[shape].plain:
+            return 1.0
         own = self.own[shape]
-        return own[0] / own[1] / self.tree_tokens() if own[1] > 0 and self.tree_tokens() > 0 else 0.0
-
-    def tree_tokens(self) -> float:
-        """Committed tokens per row and step of the configured tree (its own steps)."""
-        own = self.own[0]
-        return own[0] / own[1] if own[1] > 0 else (max(o[0] / o[1] for o in self.own if o[1] > 0)
-                                                   if any(o[1] > 0 for o in self.own) else 1.0)
+        return own[0] / own[1] if own[1] > 0 else 0.0
 
     def seconds(self, bucket: int, shape: int) -> float | None:
         """The step time of ``shape`` in ``bucket``: the mean of its last :attr:`window` steps there without the
@@ -250,7 +233,6 @@ class BatchPolicy:
         """The shape (index into ``shapes``) of the next step of a batch of ``rows`` active rows."""
         self.close()
         b = self.bucket(rows)
-        self.steps += 1
         allowed = self.allowed(rows)
         young = allowed[0] if len(allowed) == 1 else self._young(b, allowed)  # (one shape: nothing to decide)
         if young is not None:
@@ -373,9 +355,6 @@ class BatchPolicy:
         return {**nodes, "shape_steps": {s.label: n for s, n in zip(self.shapes, self.used) if n},
                 "shape_row_steps": {s.label: n for s, n in zip(self.shapes, self.row_steps) if n},
                 "speculated_row_share": 1.0 - plain / total}
-
-
-ShapePolicy = BatchPolicy  # the name of its first version (speculative only)
 
 
 def check_policy_settings(adaptive, max_step_tokens) -> None:
