@@ -67,10 +67,48 @@ def test_the_policy_measures_every_shape_then_takes_the_best_predicted_rate_and_
     first = [policy.choose(16) for _ in range(3)]
     assert first == [0, 0, 0]  # nothing known yet: the configured tree (it feeds the paired counts)
     _measured(policy, BatchPolicy.bucket(16), seconds=[0.100, 0.050, 0.040, 0.035, 0.030], relative=[0.7, 0.45, 0.3, 0.2])
+    policy.budget = 1.0  # (an exploration budget that covers a revisit; see the revisit tests)
     picks = [policy.choose(16) for _ in range(8)]
     assert 1 in picks and picks.count(0) >= 1  # chain-8: 0.7 / 0.05 beats the others; the tree is revisited
     _measured(policy, BatchPolicy.bucket(1), seconds=[0.020, 0.018, 0.016, 0.015, 0.014], relative=[0.7, 0.45, 0.3, 0.2])
     assert policy.choose(1) == 0  # at batch 1 the tree is worth its time
+
+
+def test_a_losing_tree_is_revisited_only_when_the_budget_covers_the_loss_and_the_gap_has_passed():
+    policy = BatchPolicy(shapes_from(4, 16, 20, True), explore_every=4)
+    b = BatchPolicy.bucket(16)
+    # tree: 1.0 / 0.1 = 10 per second; chain 8: 0.7 / 0.05 = 14, the best; a revisit loses 0.1 * (1 - 10 / 14)
+    _measured(policy, b, seconds=[0.100, 0.050, 0.040, 0.035, 0.030], relative=[0.7, 0.45, 0.3, 0.2])
+    loss = 0.1 * (1 - 10 / 14)
+    policy.since_tree, policy.budget = 100, 0.9 * loss
+    assert {policy.choose(16) for _ in range(20)} == {1}  # the gap has passed, the budget does not cover the loss
+    policy.budget = 1.1 * loss
+    assert policy.choose(16) == 0 and policy.gap == 8 and abs(policy.budget - 0.1 * loss) < 1e-12
+    policy.budget = 10.0
+    picks = [policy.choose(16) for _ in range(30)]
+    assert picks == [1] * 8 + [0] + [1] * 16 + [0] + [1] * 4 and policy.gap == 32  # the gap doubles each visit
+    # the budget grows by explore_share of the measured time of each step away from the tree, not on the tree's own
+    policy = BatchPolicy(shapes_from(4, 16, 20, True))
+    policy._pending, policy._done = (1, b, 0.0), True
+    policy.close()
+    grown = policy.budget
+    assert grown > 0
+    policy._pending, policy._done = (0, b, 0.0), True
+    policy.close()
+    assert policy.budget == grown
+
+
+def test_revisit_state_carries_over_to_the_next_call_of_the_same_owner():
+    class Owner:
+        pass
+
+    owner, shapes = Owner(), shapes_from(4, 16, 20, True)
+    policy = BatchPolicy(shapes, memory=(owner, "key"))
+    policy.since_tree, policy.gap, policy.budget = 37, 64, 0.25
+    policy.finish()
+    again = BatchPolicy(shapes, memory=(owner, "key"))
+    assert (again.since_tree, again.gap, again.budget) == (37, 64, 0.25)
+    assert (BatchPolicy(shapes, memory=(owner, "other")).gap, BatchPolicy(shapes).gap) == (16, 16)
 
 
 def test_paired_counts_come_only_from_steps_of_the_configured_tree():
@@ -137,6 +175,7 @@ STRATEGIES = [
     ("speculative", dict(tree_budget=16, tree_width=3, context_matches=2)),
     ("speculative", dict(tree_budget=12, tree_width=2, context_matches=2, context_tokens=5, drafter="eagle3")),
     ("speculative", dict(tree_budget=12, tree_width=2, tree_depth=4, context_matches=1, drafter="tree_causal")),
+    ("speculative", dict(tree_budget=10, tree_width=2, tree_depth=4, context_matches=2, drafter="deer")),
     ("jacobi", dict(block_size=6)),
     ("jacobi_forcing", dict(block_size=3, num_blocks=2, pool_size=2, context_matches=2)),
     ("lookahead", dict(window_size=3, ngram_size=3, guess_set_size=2, context_matches=1)),
@@ -148,8 +187,11 @@ def _settings(model, decoding, settings):
     if decoding == "speculative":
         torch.manual_seed(0)
         kind = settings.get("drafter", "block_bidirectional")
-        drafter = (Eagle3Drafter.for_target(model) if kind == "eagle3"
-                   else DraftHead.for_target(model, attention=kind, block_size=8))
+        if kind == "deer":  # a block-causal DEER drafter (the embedded checkpoints' kind): it catches up after plain steps
+            drafter = hfpd.DiffusionDrafter.for_target(model, num_hidden_layers=1, block_size=4)
+        else:
+            drafter = (Eagle3Drafter.for_target(model) if kind == "eagle3"
+                       else DraftHead.for_target(model, attention=kind, block_size=8))
         return {**settings, "drafter": drafter}
     return settings
 
@@ -248,6 +290,35 @@ def test_sampled_output_is_distributed_as_stock_whichever_shapes_the_policy_pick
     assert sum(ours.stats["shape_steps"].values()) >= 2  # (lookahead has two shapes: chain-plain-tree is plain twice)
     p = chi_square_two_sample(outcomes(stock, ids.shape[1]), outcomes(ours.sequences, ids.shape[1]), VOCAB**NEW)
     assert p > 1e-3, f"sampled distribution differs from stock sampling (p={p:.2e})"
+
+
+@pytest.mark.parametrize("cap", [None, 2])
+def test_a_deer_drafter_catches_up_on_at_most_max_catch_up_tokens_after_plain_steps(monkeypatch, cap):
+    """After a run of plain steps a block-causal drafter is fed the rows' latest ``max_catch_up`` tokens only (the
+    rest stays a hole in its context): its drafts change, the output does not."""
+    from hf_paralleldecode.drafters.diffusion import DiffusionState
+
+    seen = []
+    original = DiffusionState._causal_forward
+
+    def spy(self, block, root_pos, first):
+        if first and self._fed_prompt:
+            seen.append(self.pending[0].shape[1])
+        out = original(self, block, root_pos, first)
+        spy.skipped = self.skipped_tokens
+        return out
+
+    monkeypatch.setattr(DiffusionState, "_causal_forward", spy)
+    monkeypatch.setattr(DiffusionState, "max_catch_up", cap)
+    model = enabled("llama")
+    _script(monkeypatch, [0] + [-1] * 6 + [0, 1])  # six plain steps: seven tokens per row to catch up on
+    ids, mask = prompts(3)
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False,
+                         decoding="speculative", tree_budget=8, tree_width=2, tree_depth=4, return_dict_in_generate=True,
+                         drafter=hfpd.DiffusionDrafter.for_target(model, num_hidden_layers=1, block_size=4))
+    torch.testing.assert_close(out.sequences, reference("llama", 3, 24), rtol=0, atol=0)
+    assert max(seen) >= 7  # queued after the plain steps
+    assert (spy.skipped > 0) == (cap is not None)
 
 
 def test_one_slow_first_step_does_not_lock_a_shape_out():

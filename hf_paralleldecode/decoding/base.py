@@ -25,7 +25,7 @@ import torch
 from ..compat import GenerateDecoderOnlyOutput, enclosing_generate_streamer, user_cache
 from .cache import SlotCache, prepare_cache
 from .commit import CommitLog
-from .processors import process_block
+from .processors import prefix_independent, process_block
 from .support import (
     generation_config_conflict,
     model_conflict,
@@ -193,7 +193,9 @@ class DecodeRun:
         """Processed scores ``[active, nodes, vocab]`` (see ``processors.process_block``)."""
         if not self.logits_processor:
             return logits
-        return process_block(self.logits_processor, logits, tree, self.histories(), self.rows, self.prompt.shape[0],
+        # (processors blind to the ids, such as temperature or top-p, need no histories)
+        histories = [] if prefix_independent(self.logits_processor) else self.histories()
+        return process_block(self.logits_processor, logits, tree, histories, self.rows, self.prompt.shape[0],
                              self.placeholder_prefix)
 
     def placeholder_prefix(self, row: int, length: int) -> torch.Tensor:

@@ -32,10 +32,14 @@ The rule
       configured tree first (once: the paired counts do not depend on the batch size), then the plain step, then
       any shape only while its tokens over a lower bound of its time (the plain step's time, its own time at a
       smaller batch) beat the best rate measured in the bucket: a good tree at batch 1 is not left to measure chains
-      that cannot catch up, and a tree that lost at batch 16 is not tried at batch 32. The configured tree is
-      also revisited every ``explore_every`` steps while its rate is within 2x of the best (it feeds the paired
-      counts; the gap doubles, up to ``max_gap``, while another shape stays faster, and is reset when the tree is the
-      best again).
+      that cannot catch up, and a tree that lost at batch 16 is not tried at batch 32.
+    * Revisits. While another shape is faster, the configured tree is revisited (it feeds the paired counts, and the
+      text may change) at doubling gaps (``explore_every`` steps, then twice that, up to ``max_gap``) and only when
+      a revisit's predicted loss, its time minus the time the best shape takes to commit as many tokens, is covered
+      by an exploration budget: ``explore_share`` of the time of the steps since the last visit. A tree that
+      loses a little is revisited every few dozen steps, one that loses a step's worth of time at a large batch
+      rarely. The gap, the budget and the steps since the last visit carry over to the next call, like the
+      measurements: a server's short requests do not each pay for a revisit.
 
     From ``margin_rows`` active rows on, a shape must be predicted ``margin`` faster than the plain step: rows that
     speculate fall out of step, and a batch that waits for its slowest rows runs its last steps nearly empty.
@@ -157,7 +161,9 @@ class BatchPolicy:
     #: the last step times of a shape in a bucket that its estimate is made from (see :meth:`seconds`)
     window = 8
     #: the longest gap between visits of a configured tree that keeps losing (``explore_every`` doubles up to it)
-    max_gap = 128
+    max_gap = 256
+    #: the share of step time that revisits of a losing configured tree may lose (see :meth:`choose`)
+    explore_share = 0.01
     #: from this many active rows on, a shape must be predicted ``margin`` faster than the plain step to be used:
     #: rows that speculate fall out of step, and a batch that keeps its slowest rows runs its last steps nearly
     #: empty, a cost no per-step rate sees
@@ -184,8 +190,9 @@ class BatchPolicy:
         self.tokens = list(known["tokens"]) if known else [self.prior * (self.shapes[0].depth + 1)] + [self.prior] * (n - 1)
         self.own = [list(v) for v in known["own"]] if known else [[0.0, 0.0] for _ in range(n)]
         self.times = {k: list(v) for k, v in known["times"].items()} if known else {}
-        self.since_tree = 0
-        self.gap = explore_every  # steps between visits of the configured tree (doubles while it keeps losing)
+        # revisits of a losing configured tree: steps since its last visit, the gap to the next one (doubles while
+        # it keeps losing) and the exploration budget in seconds (see choose); carried over like the measurements
+        self.since_tree, self.gap, self.budget = known["revisits"] if known else (0, explore_every, 0.0)
         self.used = [0] * n
         self.row_steps = [0] * n  # active rows of the steps of each shape (the fraction of rows that speculated)
         self._pending = None  # (shape index, bucket, start time) of the step being measured
@@ -244,13 +251,17 @@ class BatchPolicy:
             if plain is not None and rows >= self.margin_rows and rate[best] < (1 + self.margin) * rate[plain]:
                 best = plain  # a small predicted gain at a large batch: the plain step's cost is certain
             if best == 0:
-                self.gap = self.explore_every
-            # revisit the tree (fresh paired counts) while it is within 2x of the best here; a visit of a tree that is
-            # not the best doubles the gap to the next one
-            revisit = best != 0 and 0 in rate and 2 * rate[0] >= rate[best] and self.since_tree >= self.gap
+                self.gap, self.budget = self.explore_every, 0.0
+            # revisit a losing tree (fresh paired counts) once the gap has passed and the budget covers the loss: its
+            # time minus the time the best shape takes to commit its tokens; each revisit doubles the gap
+            revisit = False
+            if best != 0 and 0 in rate and self.since_tree >= self.gap:
+                loss = self.seconds(b, 0) * (1.0 - rate[0] / rate[best])
+                revisit = self.budget >= loss
+                if revisit:
+                    self.budget -= loss
+                    self.gap = min(2 * self.gap, self.max_gap)
             pick = 0 if revisit else best
-            if revisit:
-                self.gap = min(2 * self.gap, self.max_gap)
         self.since_tree = 0 if pick == 0 else self.since_tree + 1
         self.used[pick] += 1
         self.row_steps[pick] += int(rows)
@@ -332,9 +343,12 @@ class BatchPolicy:
         if self._pending is None or not self._done:
             return
         pick, b, start = self._pending
+        seconds = max(time.perf_counter() - start, 1e-9)
         t = self.times.setdefault((b, pick), [])
-        t.append(max(time.perf_counter() - start, 1e-9))
+        t.append(seconds)
         del t[: -self.window]
+        if pick != 0:  # the exploration budget grows with the time spent away from the configured tree
+            self.budget += self.explore_share * seconds
         self._done = False
 
     def finish(self) -> None:
@@ -345,7 +359,8 @@ class BatchPolicy:
         if self.memory is not None:
             owner, key = self.memory
             _MEMORY.setdefault(owner, {})[key] = {"tokens": list(self.tokens), "own": [list(o) for o in self.own],
-                                                  "times": {k: list(v) for k, v in self.times.items()}}
+                                                  "times": {k: list(v) for k, v in self.times.items()},
+                                                  "revisits": (self.since_tree, self.gap, self.budget)}
 
     @property
     def stats(self) -> dict:

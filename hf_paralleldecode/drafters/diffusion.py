@@ -581,6 +581,10 @@ class DiffusionState(DrafterState):
     """A DEER drafter's side of one call: draft marginals for the active rows of ``run`` (see "Drafting" in
     the module docstring)."""
 
+    #: block-causal drafters: the most committed tokens per row one drafter forward catches up on after steps that
+    #: did not draft (plain steps of the batch policy); ``None``: all of them
+    max_catch_up: int | None = 16
+
     def __init__(self, run, drafter, vocab: int, depth: int | None = None, steps: int | None = None):
         super().__init__()
         self.run, self.drafter, self.vocab = run, drafter, vocab
@@ -593,6 +597,8 @@ class DiffusionState(DrafterState):
         self.first_mask = 1 + (c.boundary_token_id is not None)  # index of mask 1 in [anchor] + block
         self._blocks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # shorter blocks, by depth
         self.steps = min(steps or c.denoise_steps, depth)
+        self._fed_prompt = False
+        self.skipped_tokens = 0
         if self.causal:
             b = run.rows.shape[0]
             self.slots = SlotCache(DynamicCache(), torch.zeros(b, 0, dtype=torch.bool, device=device), drafter.dtype)
@@ -622,6 +628,12 @@ class DiffusionState(DrafterState):
         block_pos = root_pos[:, None] + 1 + torch.arange(L, device=device)
         if first:
             ids, pos, valid = self.pending
+            cap = self.max_catch_up
+            if self._fed_prompt and cap is not None and ids.shape[1] > cap:
+                # after plain steps: only the most recent tokens (the rest stays a hole in the drafter's context)
+                ids, pos, valid = ids[:, -cap:], pos[:, -cap:], valid[:, -cap:]
+                self.skipped_tokens += int(self.pending[2].sum() - valid.sum())
+            self._fed_prompt = True
             m = ids.shape[1]
             eye = torch.eye(m, dtype=torch.bool, device=device)
             causal = torch.ones(m, m, dtype=torch.bool, device=device).tril()
