@@ -131,6 +131,16 @@ class SlotCache:
     def num_valid(self) -> torch.Tensor:  # [batch]
         return self.valid.sum(-1)
 
+    def padding_mask(self, width: int) -> torch.Tensor | None:
+        """2D mask ``[batch, num_slots + width]`` (1 = may attend) for ``width`` new slots that attend causally among
+        themselves: the mask stock generation passes, from which the model builds its causal mask (its own fast
+        path: no additive 4D mask to build and apply). ``None`` when every slot is valid (no padding, no holes):
+        stock generation then passes no mask either."""
+        if all(n == self.num_slots for n in self.host_num_valid()):
+            return None
+        new = torch.ones(self.valid.shape[0], width, dtype=torch.long, device=self.valid.device)
+        return torch.cat([self.valid.long(), new], dim=1)
+
     def attention_mask(self, intra: torch.Tensor) -> torch.Tensor:
         """4D additive mask ``[batch, 1, width, num_slots + width]`` for the next forward.
 

@@ -176,13 +176,17 @@ class TargetForward:
         since widening bf16 / fp16 to fp32 is exact, and skips a copy of every logit).
 
         Node ``j`` of a row sits at position ``first_positions[row] + depth[row, j]`` and attends
-        to the row's committed slots plus its ancestors-or-self (``tree.mask``).
+        to the row's committed slots plus its ancestors-or-self (``tree.mask``). A chain (a plain step, a Jacobi
+        block) attends causally: it gets the 2D mask stock generation passes (:meth:`SlotCache.padding_mask`), so
+        the model takes its own causal path, as in stock decoding.
         """
         device = self.model.device
+        width = tree.tokens.shape[1]
+        mask = slots.padding_mask(width) if tree.is_chain else slots.attention_mask(tree.mask)
         logits = self._run(
             0, input_ids=tree.tokens.to(device),
             position_ids=(first_positions[:, None] + tree.depth).to(device),
-            attention_mask=slots.attention_mask(tree.mask).to(device), **cache_kwargs(self.model, slots.cache),
+            **({} if mask is None else {"attention_mask": mask.to(device)}), **cache_kwargs(self.model, slots.cache),
             **({} if rows is None else {k: v.to(device) for k, v in self.step_inputs(rows, tree.tokens.shape).items()}),
         )
         return (logits.float() if fp32 else logits).to(tree.tokens.device)

@@ -232,6 +232,26 @@ def sample_by_uniforms(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Ten
     return torch.searchsorted(cdf, value, right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
 
 
+def _root_only(scores, do_sample: bool, choices, uniforms) -> Verdict:
+    """The verdict of a tree of one node per row: the root's next token is committed (greedy: the argmax; sampled: a
+    draw from ``p``, by inverse CDF from ``uniforms`` when given). A draft probability ``q`` plays no part: no node
+    was drafted."""
+    if choices is None:
+        if do_sample:
+            probs = torch.softmax(scores[:, 0], dim=-1)
+            if uniforms is not None:
+                token = sample_by_uniforms(probs, uniforms[:, 0])
+            else:
+                token = torch.multinomial(probs, 1).squeeze(1)
+            choices = token[:, None]
+        else:
+            choices = greedy_argmax(scores)
+    batch = choices.shape[0]
+    zeros = torch.zeros(batch, dtype=torch.long, device=choices.device)
+    return Verdict(path=zeros[:, None], num_accepted=zeros, tokens=choices[:, :1], choices=choices,
+                   host=([[0]] * batch, [0] * batch, choices[:, :1].tolist()))
+
+
 def verify_tree(tree, scores: torch.Tensor | None, do_sample: bool, q: torch.Tensor | None = None,
                 choices: torch.Tensor | None = None, uniforms: torch.Tensor | None = None) -> Verdict:
     """Apply the rule that fits (greedy / sample-then-match / rejection sampling) to one packed tree.
@@ -244,6 +264,8 @@ def verify_tree(tree, scores: torch.Tensor | None, do_sample: bool, q: torch.Ten
     """
     if choices is not None and do_sample:
         raise ValueError("verify_tree: choices stand for a greedy step's scores; sampling needs the scores.")
+    if tree.width == 1:  # a plain step (each row's root alone): the target's token after it, nothing to walk
+        return _root_only(scores, do_sample, choices, uniforms)
     if do_sample and q is not None:
         probs = torch.softmax(scores, dim=-1)
         path, num, nxt = rejection_walk(tree, probs, q)

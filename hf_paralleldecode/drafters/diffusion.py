@@ -725,6 +725,10 @@ class DiffusionState(DrafterState):
         """Queue each row's newly committed tokens (accepted drafts + bonus) for the next forward."""
         if not self.causal:
             return  # the window is read from the commit log
+        if verdict.tokens.shape[1] == 1:  # a plain step: one token per row, the new anchor
+            new = (verdict.tokens, root_pos[:, None] + 1, torch.ones_like(verdict.tokens, dtype=torch.bool))
+            self.pending = new if self.pending is None else tuple(torch.cat(p, dim=1) for p in zip(self.pending, new))
+            return
         n = verdict.num_accepted + 1  # [b]
         m = int(n.max())
         cols = torch.arange(m, device=n.device)
