@@ -131,3 +131,33 @@ def test_commit_from_host_lists_equals_commit_from_the_keep_table():
                                lb.keys[b.valid[:, None, :, None].expand_as(lb.keys)])
         compacted += a.num_compactions > 0
     assert compacted  # holes were compacted on the way in some trials
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_a_chain_after_holes_and_padding_is_fed_with_the_2d_padding_mask(arch):
+    """A chain (a plain step, a Jacobi block) attends causally: the 2D mask of valid slots plus the new ones gives
+    the logits of a full recompute over each row's real tokens, holes and left padding included; with every slot
+    valid there is no mask at all (as stock passes none)."""
+    model = tiny_model(arch)
+    ids, mask = prompts(2, length=6, pad_left=(0, 2))
+    cache = DynamicCache()
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, use_cache=True, **cache_kwargs(model, cache),
+              position_ids=(mask.cumsum(-1) - 1).clamp(min=0))
+    slots = SlotCache(cache, mask.bool(), dtype=torch.float32)
+    assert slots.padding_mask(3) is not None and slots.padding_mask(3).shape == (2, 6 + 3)
+    nodes = torch.tensor([[10, 11, 12, 13], [20, 21, 22, 23]])
+    with torch.no_grad():
+        model(input_ids=nodes, position_ids=slots.num_valid[:, None] + torch.tensor(DEPTH)[None],
+              attention_mask=slots.attention_mask(tree_mask()), use_cache=True, **cache_kwargs(model, cache))
+    slots.commit(torch.tensor([[1, 0, 1, 1], [1, 1, 0, 0]], dtype=torch.bool))  # row 1 leaves a hole
+    chain = torch.tensor([[30, 31], [40, 41]])
+    with torch.no_grad():
+        out = model(input_ids=chain, position_ids=slots.num_valid[:, None] + torch.arange(2)[None],
+                    attention_mask=slots.padding_mask(2), use_cache=True, **cache_kwargs(model, cache)).logits
+    paths = [[10, 12, 13, 30, 31], [20, 21, 40, 41]]
+    for row in range(2):
+        prompt = ids[row][mask[row] == 1].tolist()
+        torch.testing.assert_close(out[row, -1], full_logits(model, prompt + paths[row]), rtol=1e-4, atol=1e-4)
+    one = SlotCache(DynamicCache(), torch.ones(1, 4, dtype=torch.bool), dtype=torch.float32)
+    assert one.padding_mask(1) is None

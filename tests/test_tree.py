@@ -257,3 +257,14 @@ def test_ancestor_mask_equals_a_parent_walk_across_bitset_word_boundaries():
         # the accelerator's unpacking gives the same bits as the CPU's
         bits = torch.tensor([[rng.getrandbits(64) - (1 << 63) for _ in range((width + 63) // 64)] for _ in range(5)])
         assert torch.equal(_unpack_bits(bits, width), _unpack_bits_on_device(bits, width))
+
+
+def test_root_tree_is_a_one_node_chain_whose_structure_is_built_once_per_batch_size():
+    from hf_paralleldecode.decoding.tree import root_tree
+
+    a, b = root_tree(torch.tensor([5, 6, 7])), root_tree(torch.tensor([8, 9, 10]))
+    ref = chain_tree(torch.tensor([[5], [6], [7]]), torch.ones(3, dtype=torch.long))
+    for field in ("tokens", "parents", "depth", "num_nodes", "mask"):
+        assert torch.equal(getattr(a, field), getattr(ref, field)), field
+    assert a.is_chain and a.max_depth == 0 and a.width == 1 and b.parents is a.parents
+    assert b.tokens[:, 0].tolist() == [8, 9, 10]

@@ -115,6 +115,7 @@ class SlotCache:
     def valid(self, value: torch.Tensor) -> None:
         self._valid = value
         self._host_num_valid = None  # read again from the table when next asked
+        self._num_valid = None
 
     def host_num_valid(self) -> list[int]:
         """``num_valid`` as host ints: read once after the table is replaced, then kept up to date by
@@ -128,8 +129,10 @@ class SlotCache:
         return self.valid.shape[1]
 
     @property
-    def num_valid(self) -> torch.Tensor:  # [batch]
-        return self.valid.sum(-1)
+    def num_valid(self) -> torch.Tensor:  # [batch] (computed once per table; do not modify)
+        if self._num_valid is None:
+            self._num_valid = self._valid.sum(-1)
+        return self._num_valid
 
     def padding_mask(self, width: int) -> torch.Tensor | None:
         """2D mask ``[batch, num_slots + width]`` (1 = may attend) for ``width`` new slots that attend causally among

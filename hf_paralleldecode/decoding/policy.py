@@ -319,11 +319,14 @@ class BatchPolicy:
         if self._pending is None:
             return
         pick = self._pending[0]
-        committed = verdict.num_accepted + 1
+        host = getattr(verdict, "host", None)
+        rows = len(host[1]) if host is not None else verdict.num_accepted.numel()
+        total = sum(host[1]) + rows if host is not None else float((verdict.num_accepted + 1).sum())
         own = self.own[pick]
-        own[0] = self.decay * own[0] + float(committed.sum())
-        own[1] = self.decay * own[1] + committed.numel()
+        own[0] = self.decay * own[0] + total
+        own[1] = self.decay * own[1] + rows
         if pick == 0:  # paired counts
+            committed = verdict.num_accepted + 1
             prefix = first_child_prefix(tree, verdict)
             context = None  # the first context match's path (tree.context_path), for context chains
             self.tokens[0] = self.decay * self.tokens[0] + float(committed.sum())

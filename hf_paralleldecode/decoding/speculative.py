@@ -54,7 +54,7 @@ from .policy import batch_policy, check_policy_settings, shapes_from
 from .processors import prefix_independent, process_prefixes
 from .prompt_lookup import CONTEXT, GUESSES, ContextNgrams, check_context_settings
 from .target import HiddenStateTaps
-from .tree import PackedTree, chain_tree, tree_from_parents
+from .tree import PackedTree, root_tree, tree_from_parents
 
 __all__ = ["speculative"]
 
@@ -172,7 +172,7 @@ class DraftProposer(Proposer):
             self.state.end_step()
             self.steps += 1
             self.host += time.perf_counter() - t_start
-            return chain_tree(self.roots[:, None], torch.ones_like(self.roots))
+            return root_tree(self.roots)
         counts = run.log.host_counts(run.rows.tolist())
         budgets = [run.log.max_new_tokens - c for c in counts]
         roots = self.roots.tolist()
@@ -351,9 +351,10 @@ class DraftProposer(Proposer):
     def update(self, tree, verdict) -> None:
         self.state.update(tree, verdict, self.root_pos)
         self.roots = verdict.tokens.gather(1, verdict.num_accepted[:, None]).squeeze(1)
-        self.accepted_lengths.append((verdict.num_accepted + 1).tolist())
-        self.accepted += int((verdict.num_accepted + 1).sum())
-        self.row_steps += verdict.num_accepted.numel()
+        lengths = [n + 1 for n in (verdict.host[1] if verdict.host is not None else verdict.num_accepted.tolist())]
+        self.accepted_lengths.append(lengths)
+        self.accepted += sum(lengths)
+        self.row_steps += len(lengths)
 
     @property
     def draft_stats(self) -> DraftStats:

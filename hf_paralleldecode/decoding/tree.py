@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-__all__ = ["PackedTree", "pack_trees", "pack_candidates", "chain_tree", "tree_from_parents", "ancestor_mask"]
+__all__ = ["PackedTree", "pack_trees", "pack_candidates", "chain_tree", "root_tree", "tree_from_parents", "ancestor_mask"]
 
 #: trees of at most this many candidate tokens / nodes (all rows together) are packed in Python on the host
 #: lists the proposers already hold: a trie of dicts and one copy per field beat the ~40 small tensor
@@ -87,6 +87,23 @@ class PackedTree:
             out.append(tokens[node])
             node = parents[node]
         return out[::-1]
+
+
+_ROOT_STRUCTURE: dict = {}  # (batch, device) -> the constant tensors of a one-node tree (see root_tree)
+
+
+def root_tree(roots: torch.Tensor) -> PackedTree:
+    """Each row's root alone (``roots [batch]``): a plain step's tree, a chain of one node. Its structure does not
+    depend on the tokens, so it is built once per batch size and device (read-only views)."""
+    key = (roots.shape[0], roots.device)
+    structure = _ROOT_STRUCTURE.get(key)
+    if structure is None:
+        batch, device = key
+        zeros = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        structure = _ROOT_STRUCTURE[key] = (zeros - 1, zeros, torch.ones(batch, dtype=torch.long, device=device),
+                                            torch.ones(batch, 1, 1, dtype=torch.bool, device=device))
+    parents, depth, widths, mask = structure
+    return PackedTree(roots[:, None], parents, depth, widths, mask, is_chain=True, _max_depth=0)
 
 
 def chain_tree(tokens: torch.Tensor, widths: torch.Tensor) -> PackedTree:

@@ -582,7 +582,7 @@ class DiffusionState(DrafterState):
     the module docstring)."""
 
     #: block-causal drafters: the most committed tokens per row one drafter forward catches up on after steps that
-    #: did not draft (plain steps of the batch policy); ``None``: all of them
+    #: did not draft (plain steps of the batch policy), the last step's tokens always included; ``None``: all of them
     max_catch_up: int | None = 16
 
     def __init__(self, run, drafter, vocab: int, depth: int | None = None, steps: int | None = None):
@@ -628,12 +628,7 @@ class DiffusionState(DrafterState):
         block_pos = root_pos[:, None] + 1 + torch.arange(L, device=device)
         if first:
             ids, pos, valid = self.pending
-            cap = self.max_catch_up
-            if self._fed_prompt and cap is not None and ids.shape[1] > cap:
-                # after plain steps: only the most recent tokens (the rest stays a hole in the drafter's context)
-                ids, pos, valid = ids[:, -cap:], pos[:, -cap:], valid[:, -cap:]
-                self.skipped_tokens += int(self.pending[2].sum() - valid.sum())
-            self._fed_prompt = True
+            self._fed_prompt = True  # (from now on the queue keeps at most max_catch_up columns, see _queue)
             m = ids.shape[1]
             eye = torch.eye(m, dtype=torch.bool, device=device)
             causal = torch.ones(m, m, dtype=torch.bool, device=device).tril()
@@ -726,8 +721,7 @@ class DiffusionState(DrafterState):
         if not self.causal:
             return  # the window is read from the commit log
         if verdict.tokens.shape[1] == 1:  # a plain step: one token per row, the new anchor
-            new = (verdict.tokens, root_pos[:, None] + 1, torch.ones_like(verdict.tokens, dtype=torch.bool))
-            self.pending = new if self.pending is None else tuple(torch.cat(p, dim=1) for p in zip(self.pending, new))
+            self._queue((verdict.tokens, root_pos[:, None] + 1, torch.ones_like(verdict.tokens, dtype=torch.bool)))
             return
         n = verdict.num_accepted + 1  # [b]
         m = int(n.max())
@@ -735,8 +729,19 @@ class DiffusionState(DrafterState):
         shift = (m - n)[:, None]
         idx = (cols[None] - shift).clamp(min=0)  # left-padded: the new anchor is always the last column
         new = (verdict.tokens.gather(1, idx), root_pos[:, None] + 1 + idx, cols[None] >= shift)
-        # a step that drafted nothing left its tokens queued: both go in, the new anchor last
-        self.pending = new if self.pending is None else tuple(torch.cat(p, dim=1) for p in zip(self.pending, new))
+        self._queue(new)
+
+    def _queue(self, new: tuple) -> None:
+        """Append ``new`` (ids, positions, valid; left-padded, the new anchor last) to the tokens not fed yet. A step
+        that drafted nothing left its tokens queued: both go in. Once the prompt is in, at most the last
+        :attr:`max_catch_up` columns are kept, and always the newest step's (older ones are skipped: a hole in the
+        drafter's context)."""
+        pending = new if self.pending is None else tuple(torch.cat(p, dim=1) for p in zip(self.pending, new))
+        cap = None if self.max_catch_up is None else max(self.max_catch_up, new[0].shape[1])
+        if self._fed_prompt and cap is not None and pending[0].shape[1] > cap:
+            self.skipped_tokens += int(pending[2][:, :-cap].sum())
+            pending = tuple(t[:, -cap:] for t in pending)
+        self.pending = pending
 
     def end_step(self) -> None:
         if self.causal and self.slots._holes_worth_compacting():
