@@ -32,16 +32,21 @@ def full_logits(model, tokens: list[int]) -> torch.Tensor:
     return model(input_ids=torch.tensor([tokens])).logits[0, -1]
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
-@pytest.mark.parametrize("compact", [False, True])
-def test_tree_keep_then_continue_matches_full_recompute(arch, compact):
-    model = tiny_model(arch)
+def _prefilled(model):
+    """Two rows (the second left-padded by 2) fed to ``model``: ``(ids, mask, cache, slots)``."""
     ids, mask = prompts(2, length=6, pad_left=(0, 2))
     cache = DynamicCache()
     with torch.no_grad():
         model(input_ids=ids, attention_mask=mask, use_cache=True, **cache_kwargs(model, cache),
               position_ids=(mask.cumsum(-1) - 1).clamp(min=0))
-    slots = SlotCache(cache, mask.bool(), dtype=torch.float32)
+    return ids, mask, cache, SlotCache(cache, mask.bool(), dtype=torch.float32)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("compact", [False, True])
+def test_tree_keep_then_continue_matches_full_recompute(arch, compact):
+    model = tiny_model(arch)
+    ids, mask, cache, slots = _prefilled(model)
     nodes = torch.tensor([[10, 11, 12, 13], [20, 21, 22, 23]])
     positions = slots.num_valid[:, None] + torch.tensor(DEPTH)[None]
     with torch.no_grad():
@@ -139,12 +144,7 @@ def test_a_chain_after_holes_and_padding_is_fed_with_the_2d_padding_mask(arch):
     the logits of a full recompute over each row's real tokens, holes and left padding included; with every slot
     valid there is no mask at all (as stock passes none)."""
     model = tiny_model(arch)
-    ids, mask = prompts(2, length=6, pad_left=(0, 2))
-    cache = DynamicCache()
-    with torch.no_grad():
-        model(input_ids=ids, attention_mask=mask, use_cache=True, **cache_kwargs(model, cache),
-              position_ids=(mask.cumsum(-1) - 1).clamp(min=0))
-    slots = SlotCache(cache, mask.bool(), dtype=torch.float32)
+    ids, mask, cache, slots = _prefilled(model)
     assert slots.padding_mask(3) is not None and slots.padding_mask(3).shape == (2, 6 + 3)
     nodes = torch.tensor([[10, 11, 12, 13], [20, 21, 22, 23]])
     with torch.no_grad():
