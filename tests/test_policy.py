@@ -98,6 +98,23 @@ def test_a_losing_tree_is_revisited_only_when_the_budget_covers_the_loss_and_the
     assert policy.budget == grown
 
 
+def test_a_tree_whose_time_rests_on_a_slow_first_step_is_revisited_without_budget():
+    """Two steps of the tree in a bucket, one slowed by a warm-up, make its mean time 5x too high: a budget sized on
+    that loss would lock the tree out for good. Until three steps (the slowest then left out) the tree is revisited
+    at its gaps whatever the budget."""
+    policy = BatchPolicy(shapes_from(4, 16, 20, True), explore_every=4)
+    b = BatchPolicy.bucket(1)
+    _measured(policy, b, seconds=[0.100, 0.050, 0.040, 0.035, 0.030], relative=[0.7, 0.45, 0.3, 0.2])
+    policy.times[(b, 0)] = [0.190, 0.010]  # a warm-up step and a real one: mean 0.1
+    policy.since_tree, policy.budget = 100, 0.0
+    assert policy.choose(1) == 0 and policy.budget == 0.0  # revisited, no budget spent
+    policy.times[(b, 0)].append(0.010)  # three steps: the slowest is left out, 10 ms: the tree is the best
+    assert policy.choose(1) == 0
+    policy.times[(b, 0)] = [0.1] * 3  # a trusted time that loses: the budget rule again
+    policy.since_tree, policy.budget = 100, 0.0
+    assert policy.choose(1) == 1
+
+
 def test_revisit_state_carries_over_to_the_next_call_of_the_same_owner():
     class Owner:
         pass

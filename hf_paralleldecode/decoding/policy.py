@@ -36,7 +36,8 @@ The rule
     * Revisits. While another shape is faster, the configured tree is revisited (it feeds the paired counts, and the
       text may change) at doubling gaps (``explore_every`` steps, then twice that, up to ``max_gap``) and only when
       a revisit's predicted loss, its time minus the time the best shape takes to commit as many tokens, is covered
-      by an exploration budget: ``explore_share`` of the time of the steps since the last visit. A tree that
+      by an exploration budget: ``explore_share`` of the time of the steps since the last visit. Until the tree has
+      three steps in the bucket (its time may still hold a warm-up step) the gaps alone decide. A tree that
       loses a little is revisited every few dozen steps, one that loses a step's worth of time at a large batch
       rarely. The gap, the budget and the steps since the last visit carry over to the next call, like the
       measurements: a server's short requests do not each pay for a revisit.
@@ -254,12 +255,18 @@ class BatchPolicy:
                 self.gap, self.budget = self.explore_every, 0.0
             # revisit a losing tree (fresh paired counts) once the gap has passed and the budget covers the loss: its
             # time minus the time the best shape takes to commit its tokens; each revisit doubles the gap
+            # (a time resting on fewer than three steps may hold a warm-up step: the tree is then revisited at its
+            # gaps alone, or one slow step could lock it out for good)
             revisit = False
             if best != 0 and 0 in rate and self.since_tree >= self.gap:
-                loss = self.seconds(b, 0) * (1.0 - rate[0] / rate[best])
-                revisit = self.budget >= loss
+                if len(self.times[(b, 0)]) < 3:
+                    revisit = True
+                else:
+                    loss = self.seconds(b, 0) * (1.0 - rate[0] / rate[best])
+                    revisit = self.budget >= loss
+                    if revisit:
+                        self.budget -= loss
                 if revisit:
-                    self.budget -= loss
                     self.gap = min(2 * self.gap, self.max_gap)
             pick = 0 if revisit else best
         self.since_tree = 0 if pick == 0 else self.since_tree + 1
