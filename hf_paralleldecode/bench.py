@@ -140,10 +140,13 @@ def load_prompts(path: str | Path, column: str = "prompt") -> list[str]:
     return read_prompts(path, column)
 
 def random_model(name: str, vocab_size: int, seed: int = 0):
-    """Randomly initialised timing models: ``random-100m`` (Qwen2, ~120M parameters) or ``random-tiny``."""
+    """Randomly initialised timing models (Qwen2): ``random-1b`` (Llama-3.2-1B's layers, ~1.0B parameters with the
+    embedded tokenizer's 8k vocabulary), ``random-100m`` (~120M) or ``random-tiny``."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     sizes = {
+        "random-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                          num_key_value_heads=8),
         "random-100m": dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
                             num_key_value_heads=12),
         "random-tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

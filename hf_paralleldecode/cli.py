@@ -122,7 +122,7 @@ def _load(args):
 def _add_model_args(p):
     p.add_argument("--model", default="default",
                    help="'default' (embedded demo model), 'default-trained' (the same after consistency training), "
-                        "a local checkpoint / Hub id, or random-100m / random-tiny")
+                        "a local checkpoint / Hub id, or random-1b / random-100m / random-tiny")
     p.add_argument("--prompts", default=None, nargs="+",
                    help="prompts file(s): .jsonl / .json / .parquet (the --prompt-column field) or .txt (blank-line "
                         "separated), several files are read in order; default: the shipped held-out prompts")

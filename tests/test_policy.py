@@ -396,3 +396,28 @@ def test_at_a_large_batch_a_small_predicted_gain_keeps_the_plain_step():
         # chain 8 against the plain step: 0.6 / 0.055 = 10.9 is 9% above 0.2 / 0.020 = 10 (not enough at 16 rows);
         # 0.6 / 0.040 = 15 is 50% above; at 4 rows any gain counts
         assert policy.choose(rows) == expected
+
+
+def test_a_shrinking_batch_reuses_the_times_of_a_larger_bucket_instead_of_measuring_again():
+    # a static batch's rows finish at different steps: the batch shrinks through buckets never measured. A step
+    # of fewer rows is never slower, so a larger bucket's times bound them from above: the policy keeps its
+    # choice (here the chain of 8) rather than spend plain steps and every shape's two samples in each new bucket
+    policy = BatchPolicy(shapes_from(4, 16, 20, True))
+    big = BatchPolicy.bucket(64)
+    _measured(policy, big, seconds=[0.100, 0.050, 0.040, 0.035, 0.030], relative=[0.9, 0.6, 0.35, 0.2])
+    assert policy.choose(64) == 1  # 0.9 / 0.05 beats the tree (1 / 0.1) and the plain step (0.2 / 0.03)
+    for rows in (40, 21, 13, 6, 3):
+        assert policy.choose(rows) == 1, rows
+    # once a shape's own time in the smaller bucket is known it wins over the bound: a tree that turns cheap at 3
+    # rows is chosen there
+    policy.times[(BatchPolicy.bucket(3), 0)] = [0.012] * 4
+    assert policy.choose(3) == 0
+    # without a larger bucket (a batch that grows) the new bucket is measured as before: plain step first
+    fresh = BatchPolicy(shapes_from(4, 16, 20, True))
+    _measured(fresh, BatchPolicy.bucket(4), seconds=[0.100, 0.050, 0.040, 0.035, 0.030], relative=[0.9, 0.6, 0.35, 0.2])
+    assert fresh.choose(64) == 4
+    # a first step in the smaller bucket counts where it beats the bound (a revisit found the tree cheap there)
+    policy.times[(BatchPolicy.bucket(5), 0)] = [0.011]
+    assert policy.estimate(BatchPolicy.bucket(5), 0) == 0.011 and policy.choose(5) == 0
+    policy.times[(BatchPolicy.bucket(5), 0)] = [0.900]  # a slow first step (a warm-up): the bound stands
+    assert policy.estimate(BatchPolicy.bucket(5), 0) == pytest.approx(0.100)

@@ -32,7 +32,9 @@ The rule
       configured tree first (once: the paired counts do not depend on the batch size), then the plain step, then
       any shape only while its tokens over a lower bound of its time (the plain step's time, its own time at a
       smaller batch) beat the best rate measured in the bucket: a good tree at batch 1 is not left to measure chains
-      that cannot catch up, and a tree that lost at batch 16 is not tried at batch 32.
+      that cannot catch up, and a tree that lost at batch 16 is not tried at batch 32. A batch that shrinks (its
+      rows finish at different steps) passes through smaller buckets: there a shape's time in a larger bucket
+      stands in until it has its own (fewer rows are never slower), and nothing new is measured.
     * Revisits. While another shape is faster, the configured tree is revisited (it feeds the paired counts, and the
       text may change) at doubling gaps (``explore_every`` steps, then twice that, up to ``max_gap``) and only when
       a revisit's predicted loss, its time minus the time the best shape takes to commit as many tokens, is covered
@@ -225,6 +227,28 @@ class BatchPolicy:
         kept = sorted(samples)[:-1] if len(samples) >= 3 else samples
         return sum(kept) / len(kept)
 
+    def trusted(self, bucket: int, shape: int) -> bool:
+        """Whether ``shape`` has run :attr:`min_samples` steps in ``bucket``."""
+        return len(self.times.get((bucket, shape), ())) >= self.min_samples
+
+    def inherited(self, bucket: int) -> bool:
+        """Whether a larger bucket was explored (its plain step measured): a batch that shrank into ``bucket``."""
+        plain = next((i for i, s in enumerate(self.shapes) if s.plain), None)
+        return plain is not None and any(self.trusted(k, plain) for k, i in self.times if k > bucket and i == plain)
+
+    def estimate(self, bucket: int, shape: int, inherited: bool | None = None) -> float | None:
+        """The step time the choice uses: the shape's own in ``bucket`` once trusted; before that, in a bucket a
+        batch shrank into, the shape's time in a larger bucket (fewer rows are never slower: an upper bound, so the
+        batch keeps its choice instead of measuring every shape again in each bucket its finishing rows pass
+        through), or its one step here if that was faster; else what there is of its own (``None``: unmeasured).
+        ``inherited``: :meth:`inherited`, if known."""
+        own = self.seconds(bucket, shape)
+        if not self.trusted(bucket, shape) and (self.inherited(bucket) if inherited is None else inherited):
+            larger = [self.seconds(k, i) for k, i in self.times if k > bucket and i == shape and self.trusted(k, i)]
+            if larger:  # (a first step here counts if it was faster: a slow one may be a warm-up)
+                return min(larger + ([own] if own is not None else []))
+        return own
+
     def allowed(self, rows: int) -> list[int]:
         """The shapes a step of ``rows`` active rows may use under ``max_step_tokens`` (the plain step always)."""
         cap = self.max_step_tokens
@@ -242,11 +266,14 @@ class BatchPolicy:
         self.close()
         b = self.bucket(rows)
         allowed = self.allowed(rows)
-        young = allowed[0] if len(allowed) == 1 else self._young(b, allowed)  # (one shape: nothing to decide)
+        inherited = self.inherited(b)
+        # (one shape: nothing to decide)
+        young = allowed[0] if len(allowed) == 1 else self._young(b, allowed, inherited)
         if young is not None:
             pick = young
         else:
-            rate = {i: self.relative_tokens(i) / self.seconds(b, i) for i in allowed if self.seconds(b, i) is not None}
+            times = {i: self.estimate(b, i, inherited) for i in allowed}
+            rate = {i: self.relative_tokens(i) / t for i, t in times.items() if t is not None}
             best = max(rate, key=rate.get)
             plain = next((i for i in rate if self.shapes[i].plain), None)
             if plain is not None and rows >= self.margin_rows and rate[best] < (1 + self.margin) * rate[plain]:
@@ -259,10 +286,10 @@ class BatchPolicy:
             # gaps alone, or one slow step could lock it out for good)
             revisit = False
             if best != 0 and 0 in rate and self.since_tree >= self.gap:
-                if len(self.times[(b, 0)]) < 3:
+                if len(self.times.get((b, 0), ())) < 3:
                     revisit = True
                 else:
-                    loss = self.seconds(b, 0) * (1.0 - rate[0] / rate[best])
+                    loss = times[0] * (1.0 - rate[0] / rate[best])
                     revisit = self.budget >= loss
                     if revisit:
                         self.budget -= loss
@@ -276,7 +303,7 @@ class BatchPolicy:
         self._done = False
         return pick
 
-    def _young(self, b: int, allowed: list[int]) -> int | None:
+    def _young(self, b: int, allowed: list[int], inherited: bool) -> int | None:
         """The shape to measure next in bucket ``b``, or ``None`` when every shape worth measuring is measured.
 
         The configured tree comes first, once (its steps feed the paired counts, which do not depend on the batch
@@ -284,22 +311,25 @@ class BatchPolicy:
         while it could still win: its tokens over a lower bound of its time (the plain step's time in this bucket,
         and its own time in a smaller bucket: more rows are never faster) must beat the best rate measured in the
         bucket. A good tree at batch 1 is not left to measure chains that cannot catch up, and a tree that lost at
-        batch 16 is not tried at batch 32."""
+        batch 16 is not tried at batch 32.
+
+        In a bucket a batch shrank into (``inherited``), nothing new is measured: a shape timed in the larger
+        bucket is known by that time (:meth:`estimate`), one that was not worth timing there is not timed here."""
         def young(i):
-            return len(self.times.get((b, i), ())) < self.min_samples
+            return not self.trusted(b, i) and not (inherited and self.estimate(b, i, True) is not None)
         paired = 0 in allowed
         if paired and self.own[0][1] == 0:  # the tree has never run
             return 0
         plain = next((i for i in allowed if self.shapes[i].plain), None)
         if plain is not None and young(plain):
             return plain
-        rest = [i for i in allowed if young(i)]
+        rest = [i for i in allowed if young(i)] if not inherited else []
         if not paired:  # no paired counts: a chain is known by its own steps only
             return rest[0] if rest else None
         measured = [i for i in allowed if not young(i)]
         if not measured:
-            return rest[0]
-        best = max(self.relative_tokens(i) / self.seconds(b, i) for i in measured)
+            return rest[0] if rest else None
+        best = max(self.relative_tokens(i) / self.estimate(b, i, inherited) for i in measured)
 
         def optimistic(i):
             smaller = [self.seconds(k, i) for k in range(b) if self.seconds(k, i) is not None]

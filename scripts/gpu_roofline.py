@@ -1,0 +1,95 @@
+"""Forward time against tokens fed, by batch size: the device's roofline for a model (scripts/gpu_check.sh).
+
+``python scripts/gpu_roofline.py --model random-1b --dtype bfloat16 --output roofline.json``
+``python scripts/gpu_roofline.py --plot a.json b.json --output roofline.png``: a chart of reports.
+Each point: a ``[batch, k]`` forward after a ``--context``-token prefix held in the cache, median of
+``--repeats`` timed forwards (device sync around each), a fresh cache per forward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+
+def plot(paths: list[str], output: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(paths), figsize=(5.5 * len(paths), 4.2), squeeze=False)
+    for ax, path in zip(axes[0], paths):
+        with open(path) as f:
+            report = json.load(f)
+        for b in sorted({p["batch"] for p in report["points"]}):
+            pts = [p for p in report["points"] if p["batch"] == b]
+            ax.plot([p["tokens"] for p in pts], [p["ms"] for p in pts], marker="o", label=f"batch {b}")
+        ax.set_xscale("log", base=2)
+        ax.set_ylim(bottom=0)
+        ax.set_xlabel("tokens per forward (batch x tokens per row)")
+        ax.set_ylabel("forward time (ms)")
+        ax.set_title(f"{report['model']}, {report['dtype']}\n{report['device']}, context {report['context']}",
+                     fontsize=9)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(output, dpi=110)
+
+
+def main() -> None:
+    import sys
+
+    if "--plot" in sys.argv:
+        args = sys.argv[sys.argv.index("--plot") + 1:]
+        out = args.index("--output")
+        plot(args[:out], args[out + 1])
+        return
+    from hf_paralleldecode.cli import _load
+    from hf_paralleldecode.compat import DynamicCache, cache_kwargs
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="random-1b")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--device", default=None)
+    p.add_argument("--context", type=int, default=128)
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64])
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--output", required=True)
+    args = p.parse_args()
+    model, _, name = _load(args)
+    device = next(model.parameters()).device
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    vocab = model.get_output_embeddings().weight.shape[0]
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    with torch.no_grad():
+        for b in args.batch_sizes:
+            for k in args.tokens:
+                times = []
+                for _ in range(args.repeats + 2):  # two warm-ups
+                    cache = DynamicCache()
+                    ids = torch.randint(0, vocab, (b, args.context + k), generator=gen).to(device)
+                    model(input_ids=ids[:, :args.context], use_cache=True, **cache_kwargs(model, cache))
+                    sync()
+                    t0 = time.perf_counter()
+                    model(input_ids=ids[:, args.context:], use_cache=True, **cache_kwargs(model, cache))
+                    sync()
+                    times.append(time.perf_counter() - t0)
+                ms = 1e3 * sorted(times[2:])[len(times[2:]) // 2]
+                rows.append(dict(batch=b, tokens_per_row=k, tokens=b * k, ms=ms))
+                print(f"{name:>30} b={b:<3} k={k:<3} tokens={b * k:<5} {ms:8.2f} ms", flush=True)
+    params = sum(t.numel() for t in model.parameters())
+    report = dict(model=name, params=params, dtype=args.dtype, device=torch.cuda.get_device_name(device)
+                  if device.type == "cuda" else "cpu", context=args.context, repeats=args.repeats,
+                  torch=torch.__version__, points=rows)
+    with open(args.output, "w") as f:
+        json.dump(report, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
