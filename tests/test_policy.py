@@ -421,3 +421,36 @@ def test_a_shrinking_batch_reuses_the_times_of_a_larger_bucket_instead_of_measur
     assert policy.estimate(BatchPolicy.bucket(5), 0) == 0.011 and policy.choose(5) == 0
     policy.times[(BatchPolicy.bucket(5), 0)] = [0.900]  # a slow first step (a warm-up): the bound stands
     assert policy.estimate(BatchPolicy.bucket(5), 0) == pytest.approx(0.100)
+
+
+def test_the_first_drafting_step_of_a_call_does_not_set_the_shapes_time_once_it_is_known(monkeypatch):
+    # a call's first step with a drafter also runs the drafter over the whole prompt: a one-time cost. When the
+    # policy runs plain steps first and revisits the tree once per call, every tree step it times would be such a
+    # step, the tree would look slower than it is and stay locked out. So once a shape has its samples in the
+    # bucket, its first drafting step of a call is not timed (its tokens still count)
+    clock = iter(range(1000))
+    monkeypatch.setattr(policy_module.time, "perf_counter", lambda: float(next(clock)))
+    shapes = shapes_from(4, 16, 20, True)
+    b = BatchPolicy.bucket(1)
+    tree = tree_from_parents(torch.tensor([9]), [[9, 1]], [[-1, 0]], [[0, 1]])
+    verdict = SimpleNamespace(path=torch.tensor([[0, 1]]), num_accepted=torch.tensor([1]))
+
+    def step(policy, pick):
+        policy.choose(1)
+        policy._pending = (pick, b, policy._pending[2])  # (the shape under test, whatever the rule picked)
+        policy.observe(tree, verdict)
+        policy.close()
+
+    policy = BatchPolicy(shapes)
+    step(policy, 4)
+    step(policy, 0)  # the call's first drafting step, no tree time yet: timed
+    step(policy, 0)
+    assert len(policy.times[(b, 0)]) == 2
+    later = BatchPolicy(shapes)
+    later.times = {k: list(v) for k, v in policy.times.items()}
+    step(later, 4)
+    step(later, 0)  # first drafting step of this call: the tree has its samples, not timed
+    assert len(later.times[(b, 0)]) == 2 and later.own[0][1] > 0
+    step(later, 0)  # the next one is
+    step(later, 1)  # a drafter chain after the tree: the drafter has read the prompt already, timed
+    assert len(later.times[(b, 0)]) == 3 and len(later.times[(b, 1)]) == 1

@@ -34,7 +34,8 @@ The rule
       smaller batch) beat the best rate measured in the bucket: a good tree at batch 1 is not left to measure chains
       that cannot catch up, and a tree that lost at batch 16 is not tried at batch 32. A batch that shrinks (its
       rows finish at different steps) passes through smaller buckets: there a shape's time in a larger bucket
-      stands in until it has its own (fewer rows are never slower), and nothing new is measured.
+      stands in until it has its own (fewer rows are never slower), and nothing new is measured. A call's first step
+      with a drafter forward (the drafter reads the whole prompt then) is not timed once the shape has its samples.
     * Revisits. While another shape is faster, the configured tree is revisited (it feeds the paired counts, and the
       text may change) at doubling gaps (``explore_every`` steps, then twice that, up to ``max_gap``) and only when
       a revisit's predicted loss, its time minus the time the best shape takes to commit as many tokens, is covered
@@ -199,6 +200,7 @@ class BatchPolicy:
         self.used = [0] * n
         self.row_steps = [0] * n  # active rows of the steps of each shape (the fraction of rows that speculated)
         self._pending = None  # (shape index, bucket, start time) of the step being measured
+        self._drafted = False  # whether a step of this call ran the drafter (see close)
         self._done = False
 
     @staticmethod
@@ -384,9 +386,16 @@ class BatchPolicy:
             return
         pick, b, start = self._pending
         seconds = max(time.perf_counter() - start, 1e-9)
-        t = self.times.setdefault((b, pick), [])
-        t.append(seconds)
-        del t[: -self.window]
+        shape = self.shapes[pick]
+        # the call's first step with a drafter forward also ran the drafter over the whole prompt, a cost paid once
+        # per call: it does not set the shape's step time once the shape has its samples here (a tree revisited
+        # once per call would otherwise be timed only on such steps, look slower than it is and stay locked out)
+        setup = shape.drafter and not shape.plain and not self._drafted
+        self._drafted = self._drafted or (shape.drafter and not shape.plain)
+        if not (setup and self.trusted(b, pick)):
+            t = self.times.setdefault((b, pick), [])
+            t.append(seconds)
+            del t[: -self.window]
         if pick != 0:  # the exploration budget grows with the time spent away from the configured tree
             self.budget += self.explore_share * seconds
         self._done = False
