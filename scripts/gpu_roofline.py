@@ -3,14 +3,14 @@
 ``python scripts/gpu_roofline.py --model random-1b --dtype bfloat16 --output roofline.json``
 ``python scripts/gpu_roofline.py --plot a.json b.json --output roofline.png``: a chart of reports.
 Each point: a ``[batch, k]`` forward after a ``--context``-token prefix held in the cache, median of
-``--repeats`` timed forwards (device sync around each), a fresh cache per forward.
+``--repeats`` timed forwards after two warm-ups (``decoding.budget.forward_cost``: device sync around each, a fresh
+cache per forward).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import torch
 
@@ -48,7 +48,7 @@ def main() -> None:
         plot(args[:out], args[out + 1])
         return
     from hf_paralleldecode.cli import _load
-    from hf_paralleldecode.compat import DynamicCache, cache_kwargs
+    from hf_paralleldecode.decoding.budget import forward_cost
 
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="random-1b")
@@ -63,26 +63,13 @@ def main() -> None:
     args = p.parse_args()
     model, _, name = _load(args)
     device = next(model.parameters()).device
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    vocab = model.get_output_embeddings().weight.shape[0]
-    gen = torch.Generator().manual_seed(0)
     rows = []
-    with torch.no_grad():
-        for b in args.batch_sizes:
-            for k in args.tokens:
-                times = []
-                for _ in range(args.repeats + 2):  # two warm-ups
-                    cache = DynamicCache()
-                    ids = torch.randint(0, vocab, (b, args.context + k), generator=gen).to(device)
-                    model(input_ids=ids[:, :args.context], use_cache=True, **cache_kwargs(model, cache))
-                    sync()
-                    t0 = time.perf_counter()
-                    model(input_ids=ids[:, args.context:], use_cache=True, **cache_kwargs(model, cache))
-                    sync()
-                    times.append(time.perf_counter() - t0)
-                ms = 1e3 * sorted(times[2:])[len(times[2:]) // 2]
-                rows.append(dict(batch=b, tokens_per_row=k, tokens=b * k, ms=ms))
-                print(f"{name:>30} b={b:<3} k={k:<3} tokens={b * k:<5} {ms:8.2f} ms", flush=True)
+    for b in args.batch_sizes:
+        curve = forward_cost(model, context=args.context, repeats=args.repeats, tokens=tuple(args.tokens), batch=b,
+                             warmups=2)
+        for k, seconds in curve.points:
+            rows.append(dict(batch=b, tokens_per_row=k, tokens=b * k, ms=1e3 * seconds))
+            print(f"{name:>30} b={b:<3} k={k:<3} tokens={b * k:<5} {1e3 * seconds:8.2f} ms", flush=True)
     params = sum(t.numel() for t in model.parameters())
     report = dict(model=name, params=params, dtype=args.dtype, device=torch.cuda.get_device_name(device)
                   if device.type == "cuda" else "cpu", context=args.context, repeats=args.repeats,

@@ -84,11 +84,13 @@ _LEARNED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # owner -> {n
 
 
 @torch.no_grad()
-def forward_cost(model, context: int = 64, repeats: int = 5, tokens=MEASURED_TOKENS) -> ForwardCost:
+def forward_cost(model, context: int = 64, repeats: int = 5, tokens=MEASURED_TOKENS, batch: int = 1,
+                 warmups: int = 1) -> ForwardCost:
     """Measure (once per model, device and dtype; cached) ``T(n)`` for ``n`` in :data:`MEASURED_TOKENS`.
 
     Each point is the median of ``repeats`` forwards of ``n`` tokens (``n`` in ``tokens``) after a
-    ``context``-token prefix held in a cache, timed with a device sync on CUDA. Costs a few dozen forwards.
+    ``context``-token prefix held in a cache, timed with a device sync on CUDA, for ``batch`` rows (``n`` tokens
+    each), after ``warmups`` untimed ones. Costs a few dozen forwards.
     On a model with a learned position table (GPT-2's ``n_positions``) the probe stays inside it: the prefix
     shrinks to a quarter of the table at most and sizes that would not fit are not measured.
     """
@@ -99,7 +101,7 @@ def forward_cost(model, context: int = 64, repeats: int = 5, tokens=MEASURED_TOK
         context = min(int(context), table // 4)
         tokens = tuple(n for n in tokens if context + n <= table) or (1,)
     device = next(model.parameters()).device
-    key = (str(device), str(next(model.parameters()).dtype), int(context), tuple(tokens))
+    key = (str(device), str(next(model.parameters()).dtype), int(context), tuple(tokens), int(batch), int(warmups))
     known = _COSTS.setdefault(model, {})
     if key in known:
         return ForwardCost(known[key])  # a fresh level per run, the measured shape
@@ -111,16 +113,17 @@ def forward_cost(model, context: int = 64, repeats: int = 5, tokens=MEASURED_TOK
     points = []
     for n in tokens:
         times = []
-        for _ in range(repeats + 1):  # the first is a warm-up
+        for _ in range(repeats + warmups):
             cache = DynamicCache()
-            ids = torch.randint(0, vocab, (1, context + n), generator=generator).to(device)
+            ids = torch.randint(0, vocab, (batch, context + n), generator=generator).to(device)
             model(input_ids=ids[:, :context], use_cache=True, **cache_kwargs(model, cache))
             sync()
             t0 = time.perf_counter()
             model(input_ids=ids[:, context:], use_cache=True, **cache_kwargs(model, cache))
             sync()
             times.append(time.perf_counter() - t0)
-        points.append((n, sorted(times[1:])[len(times[1:]) // 2]))
+        timed = sorted(times[warmups:])
+        points.append((n, timed[len(timed) // 2]))
     known[key] = ForwardCost(points).points
     return ForwardCost(points)
 

@@ -390,8 +390,9 @@ class BatchPolicy:
         # the call's first step with a drafter forward also ran the drafter over the whole prompt, a cost paid once
         # per call: it does not set the shape's step time once the shape has its samples here (a tree revisited
         # once per call would otherwise be timed only on such steps, look slower than it is and stay locked out)
-        setup = shape.drafter and not shape.plain and not self._drafted
-        self._drafted = self._drafted or (shape.drafter and not shape.plain)
+        drafts = shape.drafter and not shape.plain
+        setup = drafts and not self._drafted
+        self._drafted = self._drafted or drafts
         if not (setup and self.trusted(b, pick)):
             t = self.times.setdefault((b, pick), [])
             t.append(seconds)
