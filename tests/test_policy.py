@@ -454,3 +454,68 @@ def test_the_first_drafting_step_of_a_call_does_not_set_the_shapes_time_once_it_
     step(later, 0)  # the next one is
     step(later, 1)  # a drafter chain after the tree: the drafter has read the prompt already, timed
     assert len(later.times[(b, 0)]) == 3 and len(later.times[(b, 1)]) == 1
+
+
+def _bucket_times(policy, rows, seconds):
+    b = BatchPolicy.bucket(rows)
+    for i, s in enumerate(seconds):
+        if s is not None:
+            policy.times[(b, i)] = [s] * 4
+
+
+def test_a_new_larger_bucket_measures_only_the_shapes_whose_ratio_to_the_plain_step_leaves_hope():
+    # measured on this CPU (JF model): the tree's step time over the plain step's grows with the batch (5.2 at 8
+    # rows, 7.1 at 16), the chain of 8's too (3.5, 4.5). At 32 rows their ratios carried forward (9.7 and 5.8)
+    # leave them no chance against the plain step (8.9x and 5.8x its tokens, 15% margin): they are not measured
+    # there. The chain of 2 has one bucket's ratio (2.25, never predicted to shrink) against 2.7x the tokens: hope
+    policy = BatchPolicy(shapes_from(4, 16, 20, True))
+    policy.tokens, policy.own[0] = [100.0, 65.7, 44.7, 30.3, 11.3], [100.0, 20.0]
+    _bucket_times(policy, 8, [0.0638, 0.0433, 0.0271, 0.0277, 0.0123])
+    _bucket_times(policy, 16, [0.0892, 0.0568, 0.0388, None, 0.0126])
+    b = BatchPolicy.bucket(32)
+    policy.times[(b, 4)] = [0.0203] * 4  # the plain step, measured first in the new bucket
+    assert policy.floor(b, 0) == pytest.approx(0.0203 * (0.0892 / 0.0126) ** 2 / (0.0638 / 0.0123))
+    assert policy.floor(b, 3) == pytest.approx(0.0203 * 0.0277 / 0.0123)
+    assert policy.choose(32) == 3  # only the chain of 2 is measured
+    policy.times[(b, 3)] = [0.060] * 2  # it loses: 30.3 / 60 ms is below 11.3 / 20.3 ms
+    assert {policy.choose(32) for _ in range(40)} == {4}
+    # a larger bucket's ratio that shrank is carried forward as it is, not shrunk further
+    assert policy.floor(BatchPolicy.bucket(64), 1) == pytest.approx(0.0568)  # no plain step there: its own smaller-bucket time
+    policy.times[(BatchPolicy.bucket(64), 4)] = [0.034] * 2
+    policy.times[(BatchPolicy.bucket(16), 1)] = [0.030] * 4  # ratio 2.4 at 16 rows, below 3.5 at 8
+    assert policy.floor(BatchPolicy.bucket(64), 1) == pytest.approx(0.034 * 0.030 / 0.0126)
+
+
+def test_a_tree_with_few_steps_in_a_bucket_is_revisited_only_while_its_floor_leaves_hope():
+    # the revisit of a tree whose time rests on fewer than three steps (one may be a warm-up) is for a tree that
+    # could still win; one that cannot even at its floor (its smaller-bucket ratio to the plain step) is left to
+    # the exploration budget like any losing tree: at 64 rows on this CPU a tree step costs ten plain steps
+    policy = BatchPolicy(shapes_from(4, 16, 20, True))
+    policy.tokens, policy.own[0] = [100.0, 65.7, 44.7, 30.3, 11.3], [100.0, 20.0]
+    _bucket_times(policy, 32, [0.174, 0.109, 0.071, 0.104, 0.0203])
+    b = BatchPolicy.bucket(64)
+    policy.times.update({(b, 0): [0.33], (b, 1): [0.27] * 2, (b, 2): [0.13] * 2, (b, 3): [0.12] * 2,
+                         (b, 4): [0.034] * 2})
+    policy.since_tree, policy.budget = 100, 0.0
+    assert {policy.choose(64) for _ in range(20)} == {4}
+    # the same tree at 4 rows, where its floor beats the plain step: revisited at its gap without budget
+    small = BatchPolicy(shapes_from(4, 16, 20, True))
+    small.tokens, small.own[0] = list(policy.tokens), [100.0, 20.0]
+    _bucket_times(small, 4, [None, 0.025, 0.020, 0.018, 0.012])
+    small.times[(BatchPolicy.bucket(4), 0)] = [0.2]  # one slow (warm-up) step
+    small.since_tree, small.budget = 100, 0.0
+    assert small.choose(4) == 0
+
+
+def test_exploration_at_a_large_batch_needs_the_margin_the_choice_needs():
+    # from 8 rows a shape must be predicted 15% faster than the plain step to be used, so it is not measured
+    # when even its floor is not: chain of 8 at 16 rows, 6x the plain step's tokens, floor 5.5x its time (+9%)
+    policy = BatchPolicy(shapes_from(4, 16, 20, True))
+    policy.tokens, policy.own[0] = [100.0, 60.0, 40.0, 30.0, 10.0], [100.0, 20.0]
+    _bucket_times(policy, 8, [None, 0.055, 0.050, 0.045, 0.010])
+    b = BatchPolicy.bucket(16)
+    policy.times[(b, 4)] = [0.010] * 2
+    policy.times[(b, 0)] = [0.5] * 4
+    assert policy.hopeful(b, 16, 1, {4: 0.1 / 0.010}) is False
+    assert policy.hopeful(b, 4, 1, {4: 0.1 / 0.010}) is True  # below 8 rows any gain counts
+    assert {policy.choose(16) for _ in range(10)} == {4}

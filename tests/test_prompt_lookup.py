@@ -95,3 +95,27 @@ def test_the_incremental_ngram_index_answers_like_the_scan(seed):
         assert all(starts == sorted(set(starts)) for starts in index.starts.values())
         assert sum(map(len, index.starts.values())) == sum(len(tokens) - n + 1 for n in range(1, ngram + 1))
     assert NgramIndex([7], 3).candidates(3, 4) == []
+
+
+def test_a_rows_context_index_is_built_at_its_first_lookup_not_for_calls_that_never_look_up(monkeypatch):
+    """Indexing a prompt costs host time per row; at a large batch the batch policy may run plain steps only, so
+    the index is built when a row is first looked up (once), never for a call that does not draft from context."""
+    from hf_paralleldecode.decoding import prompt_lookup as module
+
+    built = []
+    original = module.NgramIndex.__init__
+
+    def spy(self, tokens, max_ngram_size):
+        built.append(len(tokens))
+        original(self, tokens, max_ngram_size)
+
+    monkeypatch.setattr(module.NgramIndex, "__init__", spy)
+    model = enabled("llama")
+    ids, mask = prompts(3)
+    ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
+                         decoding="prompt_lookup", max_step_tokens=1)  # plain steps only
+    assert torch.equal(out, ref) and built == []
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
+                         decoding="prompt_lookup", adaptive=False)
+    assert torch.equal(out, ref) and sorted(built) == sorted(int(m.sum()) for m in mask)  # once per row

@@ -30,8 +30,9 @@ The rule
       shape and per batch-size bucket (powers of two of the active rows): it depends on the shape, the batch and the
       device, hardly on the text. A shape is run ``min_samples`` times in a bucket before its time is trusted: the
       configured tree first (once: the paired counts do not depend on the batch size), then the plain step, then
-      any shape only while its tokens over a lower bound of its time (the plain step's time, its own time at a
-      smaller batch) beat the best rate measured in the bucket: a good tree at batch 1 is not left to measure chains
+      any shape only while its tokens over a floor of its time (the plain step's time, its own time at a smaller
+      batch, its ratio to the plain step in smaller buckets carried forward by that ratio's growth) beat the best
+      rate measured in the bucket (with the margin below): a good tree at batch 1 is not left to measure chains
       that cannot catch up, and a tree that lost at batch 16 is not tried at batch 32. A batch that shrinks (its
       rows finish at different steps) passes through smaller buckets: there a shape's time in a larger bucket
       stands in until it has its own (fewer rows are never slower), and nothing new is measured. A call's first step
@@ -40,7 +41,8 @@ The rule
       text may change) at doubling gaps (``explore_every`` steps, then twice that, up to ``max_gap``) and only when
       a revisit's predicted loss, its time minus the time the best shape takes to commit as many tokens, is covered
       by an exploration budget: ``explore_share`` of the time of the steps since the last visit. Until the tree has
-      three steps in the bucket (its time may still hold a warm-up step) the gaps alone decide. A tree that
+      three steps in the bucket (its time may still hold a warm-up step) the gaps alone decide, if its floor leaves it
+      a chance. A tree that
       loses a little is revisited every few dozen steps, one that loses a step's worth of time at a large batch
       rarely. The gap, the budget and the steps since the last visit carry over to the next call, like the
       measurements: a server's short requests do not each pay for a revisit.
@@ -179,6 +181,7 @@ class BatchPolicy:
         if not shapes:
             raise ValueError("BatchPolicy needs at least one shape.")
         self.shapes = list(shapes)
+        self.plain = next((i for i, s in enumerate(self.shapes) if s.plain), None)  # the plain step's index
         self.nodes = nodes  # a budget.CostAwareBudget: which nodes of a row's tree are worth feeding (cost_aware)
         self.explore_every = explore_every
         self.max_step_tokens = max_step_tokens
@@ -235,7 +238,7 @@ class BatchPolicy:
 
     def inherited(self, bucket: int) -> bool:
         """Whether a larger bucket was explored (its plain step measured): a batch that shrank into ``bucket``."""
-        plain = next((i for i, s in enumerate(self.shapes) if s.plain), None)
+        plain = self.plain
         return plain is not None and any(self.trusted(k, plain) for k, i in self.times if k > bucket and i == plain)
 
     def estimate(self, bucket: int, shape: int, inherited: bool | None = None) -> float | None:
@@ -250,6 +253,47 @@ class BatchPolicy:
             if larger:  # (a first step here counts if it was faster: a slow one may be a warm-up)
                 return min(larger + ([own] if own is not None else []))
         return own
+
+    def ratio(self, bucket: int, shape: int) -> float | None:
+        """``shape``'s step time over the plain step's in ``bucket``, both trusted (``None``: not known)."""
+        if self.plain is None or not (self.trusted(bucket, shape) and self.trusted(bucket, self.plain)):
+            return None
+        return self.seconds(bucket, shape) / self.seconds(bucket, self.plain)
+
+    def floor(self, bucket: int, shape: int) -> float:
+        """What ``shape``'s step time in ``bucket`` is expected to be at least, before it is measured there (0.0:
+        nothing known): the plain step's time there, the shape's own time in a smaller bucket (more rows are never
+        faster), and the plain step's time times the shape's ratio to it in smaller buckets, carried forward by the
+        ratio's growth between the two largest of them (never shrinking). A forward's time grows with the tokens it
+        feeds, flat at first and then steeply; a shape feeding ``n`` tokens per row leaves the flat part ``n`` times
+        sooner than the plain step, so its ratio to the plain step grows with the batch (on this CPU the configured
+        tree's went 5.2, 7.1, 8.6, 9.5 at 8, 16, 32, 64 rows; on a GPU it stays flat longer). A new bucket is then
+        not spent measuring shapes that cannot win there."""
+        plain = self.seconds(bucket, self.plain) if self.plain is not None and self.trusted(bucket, self.plain) else None
+        smaller = [k for k in range(bucket) if self.trusted(k, shape)]
+        out = max([plain or 0.0] + [self.seconds(k, shape) for k in smaller])
+        ratios = [(k, r) for k in smaller if (r := self.ratio(k, shape)) is not None]
+        if plain is not None and ratios:
+            (k1, r1), growth = ratios[-1], 1.0
+            if len(ratios) > 1:
+                k0, r0 = ratios[-2]
+                growth = max(1.0, r1 / r0) ** ((bucket - k1) / (k1 - k0))
+            out = max(out, plain * r1 * growth)
+        return out
+
+    def threshold(self, bucket: int, rows: int, rates: dict) -> float:
+        """The rate a shape must be predicted to beat to be used: the best of ``rates`` (shape -> rate), and from
+        :attr:`margin_rows` rows on ``1 + margin`` times the plain step's."""
+        best = max(rates.values()) if rates else 0.0
+        if self.plain in rates and rows >= self.margin_rows:
+            best = max(best, (1 + self.margin) * rates[self.plain])
+        return best
+
+    def hopeful(self, bucket: int, rows: int, shape: int, rates: dict) -> bool:
+        """Whether ``shape`` could still beat ``rates`` in ``bucket`` by its tokens over :meth:`floor`."""
+        floor = self.floor(bucket, shape)
+        optimistic = self.relative_tokens(shape) / floor if floor > 0 else float("inf")
+        return optimistic > self.threshold(bucket, rows, rates)
 
     def allowed(self, rows: int) -> list[int]:
         """The shapes a step of ``rows`` active rows may use under ``max_step_tokens`` (the plain step always)."""
@@ -270,25 +314,25 @@ class BatchPolicy:
         allowed = self.allowed(rows)
         inherited = self.inherited(b)
         # (one shape: nothing to decide)
-        young = allowed[0] if len(allowed) == 1 else self._young(b, allowed, inherited)
+        young = allowed[0] if len(allowed) == 1 else self._young(b, rows, allowed, inherited)
         if young is not None:
             pick = young
         else:
             times = {i: self.estimate(b, i, inherited) for i in allowed}
             rate = {i: self.relative_tokens(i) / t for i, t in times.items() if t is not None}
             best = max(rate, key=rate.get)
-            plain = next((i for i in rate if self.shapes[i].plain), None)
-            if plain is not None and rows >= self.margin_rows and rate[best] < (1 + self.margin) * rate[plain]:
-                best = plain  # a small predicted gain at a large batch: the plain step's cost is certain
+            if self.plain in rate and rate[best] < self.threshold(b, rows, {self.plain: rate[self.plain]}):
+                best = self.plain  # a small predicted gain at a large batch: the plain step's cost is certain
             if best == 0:
                 self.gap, self.budget = self.explore_every, 0.0
             # revisit a losing tree (fresh paired counts) once the gap has passed and the budget covers the loss: its
             # time minus the time the best shape takes to commit its tokens; each revisit doubles the gap
             # (a time resting on fewer than three steps may hold a warm-up step: the tree is then revisited at its
-            # gaps alone, or one slow step could lock it out for good)
+            # gaps alone, or one slow step could lock it out for good, unless even its floor loses)
             revisit = False
             if best != 0 and 0 in rate and self.since_tree >= self.gap:
-                if len(self.times.get((b, 0), ())) < 3:
+                others = {i: r for i, r in rate.items() if i != 0}
+                if len(self.times.get((b, 0), ())) < 3 and self.hopeful(b, rows, 0, others):
                     revisit = True
                 else:
                     loss = times[0] * (1.0 - rate[0] / rate[best])
@@ -305,15 +349,15 @@ class BatchPolicy:
         self._done = False
         return pick
 
-    def _young(self, b: int, allowed: list[int], inherited: bool) -> int | None:
+    def _young(self, b: int, rows: int, allowed: list[int], inherited: bool) -> int | None:
         """The shape to measure next in bucket ``b``, or ``None`` when every shape worth measuring is measured.
 
         The configured tree comes first, once (its steps feed the paired counts, which do not depend on the batch
         size), then the plain step of the bucket (the cheapest step there is). Any other shape is measured only
-        while it could still win: its tokens over a lower bound of its time (the plain step's time in this bucket,
-        and its own time in a smaller bucket: more rows are never faster) must beat the best rate measured in the
-        bucket. A good tree at batch 1 is not left to measure chains that cannot catch up, and a tree that lost at
-        batch 16 is not tried at batch 32.
+        while it could still win: its tokens over :meth:`floor` (the plain step's time in this bucket, its own time
+        in a smaller bucket, its ratio to the plain step carried forward) must beat the best rate measured in the
+        bucket, with the margin from :attr:`margin_rows` rows on (:meth:`threshold`). A good tree at batch 1 is not
+        left to measure chains that cannot catch up, and a tree that lost at batch 16 is not tried at batch 32.
 
         In a bucket a batch shrank into (``inherited``), nothing new is measured: a shape timed in the larger
         bucket is known by that time (:meth:`estimate`), one that was not worth timing there is not timed here."""
@@ -322,7 +366,7 @@ class BatchPolicy:
         paired = 0 in allowed
         if paired and self.own[0][1] == 0:  # the tree has never run
             return 0
-        plain = next((i for i in allowed if self.shapes[i].plain), None)
+        plain = self.plain if self.plain in allowed else None
         if plain is not None and young(plain):
             return plain
         rest = [i for i in allowed if young(i)] if not inherited else []
@@ -331,13 +375,12 @@ class BatchPolicy:
         measured = [i for i in allowed if not young(i)]
         if not measured:
             return rest[0] if rest else None
-        best = max(self.relative_tokens(i) / self.estimate(b, i, inherited) for i in measured)
+        rates = {i: self.relative_tokens(i) / self.estimate(b, i, inherited) for i in measured}
 
         def optimistic(i):
-            smaller = [self.seconds(k, i) for k in range(b) if self.seconds(k, i) is not None]
-            floor = max([self.seconds(b, plain) if plain is not None else 0.0] + smaller)
+            floor = self.floor(b, i)
             return self.relative_tokens(i) / floor if floor > 0 else float("inf")
-        hopeful = sorted((i for i in rest if optimistic(i) > best), key=optimistic, reverse=True)
+        hopeful = sorted((i for i in rest if self.hopeful(b, rows, i, rates)), key=optimistic, reverse=True)
         return hopeful[0] if hopeful else None
 
     @property

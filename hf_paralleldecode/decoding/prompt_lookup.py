@@ -112,14 +112,16 @@ class ContextNgrams:
     row's suffix found in its prompt and committed tokens (:func:`context_candidates`), best first.
 
     Each row keeps an :class:`NgramIndex` of its context, fed the row's newly committed tokens from the
-    commit log's host lists: no tensor is read per step."""
+    commit log's host lists: no tensor is read per step. A row's index is built at its first lookup, so a call
+    whose steps never draft from the context (the batch policy's plain steps at a large batch) never indexes its
+    prompts."""
 
     def __init__(self, run, num_tokens: int, max_ngram_size: int, max_matches: int):
         self.run = run
         self.num_tokens, self.max_ngram, self.max_matches = num_tokens, max_ngram_size, max_matches
         self.steps = self.matched = 0
-        self.index = {r: NgramIndex(run.prompt_tokens(r), max_ngram_size) for r in range(run.prompt.shape[0])}
-        self.fed = {r: 0 for r in self.index}  # committed tokens already in each row's index
+        self.index: dict[int, NgramIndex] = {}  # row -> its index, built at the row's first lookup
+        self.fed: dict[int, int] = {}  # committed tokens already in each row's index
 
     def candidates(self, counts: list[int]) -> list[list[list[int]]]:
         """Per active row: up to ``max_matches`` continuations. ``counts``: each active row's committed
@@ -127,7 +129,10 @@ class ContextNgrams:
         log = self.run.log
         out = []
         for r, count in zip(self.run.rows.tolist(), counts):
-            index = self.index[r]
+            index = self.index.get(r)
+            if index is None:
+                index = self.index[r] = NgramIndex(self.run.prompt_tokens(r), self.max_ngram)
+                self.fed[r] = 0
             if count > self.fed[r]:
                 index.extend(log.host_tokens(r)[self.fed[r]: count])
                 self.fed[r] = count
