@@ -31,8 +31,8 @@ The rule
       device, hardly on the text. A shape is run ``min_samples`` times in a bucket before its time is trusted: the
       configured tree first (once: the paired counts do not depend on the batch size), then the plain step, then
       any shape only while its tokens over a floor of its time (the plain step's time, its own time at a smaller
-      batch, its ratio to the plain step in smaller buckets carried forward by that ratio's growth) beat the best
-      rate measured in the bucket (with the margin below): a good tree at batch 1 is not left to measure chains
+      batch carried forward by its growth per doubling there, its ratio to the plain step at a smaller batch) beat
+      the best rate measured in the bucket (with the margin below): a good tree at batch 1 is not left to measure chains
       that cannot catch up, and a tree that lost at batch 16 is not tried at batch 32. A batch that shrinks (its
       rows finish at different steps) passes through smaller buckets: there a shape's time in a larger bucket
       stands in until it has its own (fewer rows are never slower), and nothing new is measured. A call's first step
@@ -262,23 +262,33 @@ class BatchPolicy:
 
     def floor(self, bucket: int, shape: int) -> float:
         """What ``shape``'s step time in ``bucket`` is expected to be at least, before it is measured there (0.0:
-        nothing known): the plain step's time there, the shape's own time in a smaller bucket (more rows are never
-        faster), and the plain step's time times the shape's ratio to it in smaller buckets, carried forward by the
-        ratio's growth between the two largest of them (never shrinking). A forward's time grows with the tokens it
-        feeds, flat at first and then steeply; a shape feeding ``n`` tokens per row leaves the flat part ``n`` times
-        sooner than the plain step, so its ratio to the plain step grows with the batch (on this CPU the configured
-        tree's went 5.2, 7.1, 8.6, 9.5 at 8, 16, 32, 64 rows; on a GPU it stays flat longer). A new bucket is then
-        not spent measuring shapes that cannot win there."""
+        nothing known), from smaller buckets and the plain step's time here. A step's time grows with the rows it
+        feeds as a convex curve: flat while fixed costs dominate, then linear in the tokens fed (the forward's cost
+        by tokens, the drafter's, the host's per row). On such a curve, from one batch size to twice it:
+
+        * the time grows by a factor that does not shrink with the batch, so the shape's own time in the largest
+          smaller bucket, carried forward by its growth per doubling between the two largest, bounds it;
+        * a shape feeding ``n`` tokens per row leaves the flat part before the plain step does, so its ratio to
+          the plain step does not shrink: the plain step's time here times that ratio in a smaller bucket bounds it.
+
+        The floor is the largest of these, of the shape's time at any smaller batch (more rows are never faster) and
+        of the plain step's time here. On this CPU (JF model) the configured
+        tree took 36, 56, 89, 174 and 325 ms at 4, 8, 16, 32 and 64 rows: from 4 and 8 rows the floor at 16 is
+        88 ms, and from 16 and 32 rows the floor at 64 is 340 ms (the floor rests on that curve; measured times
+        scatter by a few percent). A new bucket is then not spent measuring shapes that cannot win there."""
         plain = self.seconds(bucket, self.plain) if self.plain is not None and self.trusted(bucket, self.plain) else None
         smaller = [k for k in range(bucket) if self.trusted(k, shape)]
-        out = max([plain or 0.0] + [self.seconds(k, shape) for k in smaller])
-        ratios = [(k, r) for k in smaller if (r := self.ratio(k, shape)) is not None]
+        out = plain or 0.0
+        if smaller:
+            k1 = smaller[-1]
+            growth = 1.0
+            if len(smaller) > 1:
+                k0 = smaller[-2]
+                growth = max(1.0, self.seconds(k1, shape) / self.seconds(k0, shape)) ** (1.0 / (k1 - k0))
+            out = max([out, self.seconds(k1, shape) * growth ** (bucket - k1)] + [self.seconds(k, shape) for k in smaller])
+        ratios = [r for k in smaller if (r := self.ratio(k, shape)) is not None]
         if plain is not None and ratios:
-            (k1, r1), growth = ratios[-1], 1.0
-            if len(ratios) > 1:
-                k0, r0 = ratios[-2]
-                growth = max(1.0, r1 / r0) ** ((bucket - k1) / (k1 - k0))
-            out = max(out, plain * r1 * growth)
+            out = max(out, plain * ratios[-1])
         return out
 
     def threshold(self, bucket: int, rows: int, rates: dict) -> float:
@@ -355,7 +365,7 @@ class BatchPolicy:
         The configured tree comes first, once (its steps feed the paired counts, which do not depend on the batch
         size), then the plain step of the bucket (the cheapest step there is). Any other shape is measured only
         while it could still win: its tokens over :meth:`floor` (the plain step's time in this bucket, its own time
-        in a smaller bucket, its ratio to the plain step carried forward) must beat the best rate measured in the
+        in a smaller bucket carried forward, its ratio to the plain step there) must beat the best rate measured in the
         bucket, with the margin from :attr:`margin_rows` rows on (:meth:`threshold`). A good tree at batch 1 is not
         left to measure chains that cannot catch up, and a tree that lost at batch 16 is not tried at batch 32.
 
