@@ -299,11 +299,14 @@ class BatchPolicy:
             best = max(best, (1 + self.margin) * rates[self.plain])
         return best
 
-    def hopeful(self, bucket: int, rows: int, shape: int, rates: dict) -> bool:
-        """Whether ``shape`` could still beat ``rates`` in ``bucket`` by its tokens over :meth:`floor`."""
+    def optimistic(self, bucket: int, shape: int) -> float:
+        """``shape``'s best possible rate in ``bucket``: its tokens over :meth:`floor` (infinite: nothing known)."""
         floor = self.floor(bucket, shape)
-        optimistic = self.relative_tokens(shape) / floor if floor > 0 else float("inf")
-        return optimistic > self.threshold(bucket, rows, rates)
+        return self.relative_tokens(shape) / floor if floor > 0 else float("inf")
+
+    def hopeful(self, bucket: int, rows: int, shape: int, rates: dict) -> bool:
+        """Whether ``shape`` could still beat ``rates`` in ``bucket`` (:meth:`optimistic` over :meth:`threshold`)."""
+        return self.optimistic(bucket, shape) > self.threshold(bucket, rows, rates)
 
     def allowed(self, rows: int) -> list[int]:
         """The shapes a step of ``rows`` active rows may use under ``max_step_tokens`` (the plain step always)."""
@@ -386,12 +389,10 @@ class BatchPolicy:
         if not measured:
             return rest[0] if rest else None
         rates = {i: self.relative_tokens(i) / self.estimate(b, i, inherited) for i in measured}
-
-        def optimistic(i):
-            floor = self.floor(b, i)
-            return self.relative_tokens(i) / floor if floor > 0 else float("inf")
-        hopeful = sorted((i for i in rest if self.hopeful(b, rows, i, rates)), key=optimistic, reverse=True)
-        return hopeful[0] if hopeful else None
+        bar = self.threshold(b, rows, rates)
+        optimistic = {i: self.optimistic(b, i) for i in rest}  # (each floor once)
+        hopeful = [i for i in rest if optimistic[i] > bar]
+        return max(hopeful, key=optimistic.get) if hopeful else None
 
     @property
     def index(self) -> int:
