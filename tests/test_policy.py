@@ -177,9 +177,8 @@ def _script(monkeypatch, picks):
     """Make the policy pick ``picks`` (cycled; an index past the strategy's shapes wraps around)."""
     choices = itertools.cycle(picks)
 
-    def scripted(self, rows, remaining=None, ids=None):
+    def scripted(self, rows):
         self.close()
-        self._ids = ids
         k = next(choices) % len(self.shapes)
         self.used[k] += 1
         self.row_steps[k] += rows
@@ -528,85 +527,3 @@ def test_exploration_at_a_large_batch_needs_the_margin_the_choice_needs():
     assert policy.hopeful(b, 16, 1, {4: 0.1 / 0.010}) is False
     assert policy.hopeful(b, 4, 1, {4: 0.1 / 0.010}) is True  # below 8 rows any gain counts
     assert {policy.choose(16) for _ in range(10)} == {4}
-
-
-def _chain_beats_plain_per_step(policy, rows=16):
-    """Chain 8 commits 3 tokens per row and step in 0.040 s, the plain step 1 in 0.020 s: 50% faster per step."""
-    policy.tokens, policy.own[0], policy.paired = [100.0, 60.0, 40.0, 30.0, 20.0], [100.0, 20.0], 20.0
-    b = BatchPolicy.bucket(rows)
-    policy.times.update({(b, 0): [0.5] * 3, (b, 1): [0.040] * 3, (b, 2): [1.0] * 3, (b, 3): [1.0] * 3,
-                         (b, 4): [0.020] * 3})
-    return b
-
-
-def test_a_batch_whose_slow_rows_would_run_on_alone_keeps_the_plain_step():
-    # a static batch runs until its slowest row finishes: when a quarter of its rows accept almost nothing, chain 8
-    # finishes the fast rows in 17.5 steps and then runs 35 more steps for the slow ones, at the batch's price
-    # (0.040 s: fewer rows are never slower, and no smaller bucket is measured): 2.1 s against the plain step's
-    # 63 x 0.020 = 1.26 s. The per-step rate (50% faster) does not see it; the completion time does
-    ids, remaining = list(range(16)), [63] * 16
-    alike = BatchPolicy(shapes_from(4, 16, 20, True))
-    _chain_beats_plain_per_step(alike)
-    assert alike.choose(16) == 1  # per step
-    assert alike.choose(16, remaining, ids) == 1  # rows alike: 21 steps x 0.040 = 0.84 s
-    mixed = BatchPolicy(shapes_from(4, 16, 20, True))
-    b = _chain_beats_plain_per_step(mixed)
-    mixed.spread = [0.1] * 16 + [1.3] * 48  # past rows: a quarter of them slow
-    assert mixed.row_ratios(ids) == pytest.approx([0.1] * 4 + [1.3] * 12)
-    assert mixed.choose(16) == 1 and mixed.choose(16, remaining, ids) == 4
-    # the slow rows' steps cost what chain 8 costs at 4 rows once that is known: 17.5 x 0.040 + 35 x 0.010 = 1.05 s
-    mixed.times[(BatchPolicy.bucket(4), 1)] = [0.010] * 3
-    assert mixed.completion(b, 1, remaining, mixed.row_ratios(ids)) == pytest.approx(1008 / 1.05)
-    assert mixed.choose(16, remaining, ids) == 1
-    # at batch 1 nothing changes: the row is the batch
-    assert mixed.choose(1, [63], [0]) == mixed.choose(1)
-
-
-class _Owner:
-    """What a policy's measurements are kept for (held weakly: a drafter, a model)."""
-
-
-def _observe_untimed(policy, accepted):
-    """The verdict of the chosen step (tokens accepted per row), its time left out (the test sets the times)."""
-    policy.observe(None, SimpleNamespace(host=None, num_accepted=torch.tensor(accepted)))
-    policy._pending = None
-
-
-def test_each_rows_acceptance_is_learned_on_the_call_and_its_spread_is_remembered_for_the_next():
-    ids = list(range(16))
-
-    def run(accepted, owner):
-        """Steps of chain 8 while the policy keeps it (at most 8), each row accepting ``accepted[row]``."""
-        policy = BatchPolicy(shapes_from(4, 16, 20, True), memory=(owner, "k"))
-        _chain_beats_plain_per_step(policy)
-        remaining, picks = [63] * 16, []
-        for _ in range(8):
-            picks.append(policy.choose(16, remaining, ids))
-            if picks[-1] != 1:
-                break
-            _observe_untimed(policy, accepted)
-            remaining = [r - 1 - a for r, a in zip(remaining, accepted)]
-        return policy, picks
-
-    alike, picks = run([2] * 16, _Owner())
-    assert picks == [1] * 8  # rows alike: every row gains as the per-step rate says
-    assert alike.row_ratios(ids) == pytest.approx([1.0] * 16)
-    owner = _Owner()
-    policy, picks = run([0] * 4 + [4] * 12, owner)  # a quarter of the rows accept nothing
-    k = len(picks) - 1
-    assert picks == [1] * k + [4] and 1 <= k < 8  # the chain until the slow rows' evidence shows, then plain
-    # a row's ratio: its extra tokens against the mean row's (3 per step), plus 4 steps of the mean row at its prior
-    assert policy.row_ratios(ids) == pytest.approx([12 / (3 * k + 12)] * 4 + [(4 * k + 12) / (3 * k + 12)] * 12)
-    _observe_untimed(policy, [0] * 16)  # (a plain step: no evidence)
-    policy.finish()
-    nxt = BatchPolicy(shapes_from(4, 16, 20, True), memory=(owner, "k"))
-    assert nxt.paired == policy.paired
-    if k >= BatchPolicy.row_prior:  # rows with enough steps join the spread
-        assert sorted(nxt.spread) == pytest.approx(sorted(policy.row_ratios(ids)))
-    nxt.spread = [12 / 24] * 4 + [28 / 24] * 12  # (the spread of rows seen for 4 steps)
-    _chain_beats_plain_per_step(nxt)
-    # a new call's rows get the spread before any evidence of their own: the chain's completion time is judged with it
-    ratios = nxt.row_ratios(ids)
-    assert sorted(ratios) == pytest.approx(sorted(nxt.spread))
-    assert nxt.completion(BatchPolicy.bucket(16), 1, [63] * 16, ratios) < \
-        nxt.completion(BatchPolicy.bucket(16), 1, [63] * 16, [1.0] * 16)

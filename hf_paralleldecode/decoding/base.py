@@ -476,9 +476,7 @@ def decode(model, name, make_proposer, input_ids, logits_processor, stopping_cri
                 break
             policy = proposer.policy
             if policy is not None:
-                ids = run.rows.tolist()
-                remaining = [run.log.max_new_tokens - c for c in run.log.host_counts(ids)]
-                policy.start_step(len(ids), run.target.seconds, fed, remaining, ids)
+                policy.start_step(int(run.rows.numel()), run.target.seconds, fed)
             tree = proposer.propose()
             verdict = run.step(tree)
             fed = tree.tokens.numel()

@@ -175,11 +175,6 @@ class BatchPolicy:
     #: empty, a cost no per-step rate sees
     margin_rows = 8
     margin = 0.15
-    #: steps of evidence a row's acceptance ratio starts from (its prior: the spread of past rows, see
-    #: :meth:`row_ratios`); a row's ratio joins the spread once it has this many steps of its own
-    row_prior = 4
-    #: how many past rows' acceptance ratios are kept (the spread a new batch expects)
-    spread_rows = 64
 
     def __init__(self, shapes: list[Shape], explore_every: int = 16, memory: tuple | None = None,
                  max_step_tokens: int | None = None, nodes=None):
@@ -205,14 +200,6 @@ class BatchPolicy:
         # revisits of a losing configured tree: steps since its last visit, the gap to the next one (doubles while
         # it keeps losing) and the exploration budget in seconds (see choose); carried over like the measurements
         self.since_tree, self.gap, self.budget = known["revisits"] if known else (0, explore_every, 0.0)
-        # rows on the configured tree's steps, decayed like the paired sums (with the same prior): tokens[i] / paired
-        # is shape i's committed tokens per row and step
-        self.paired = known["paired"] if known else self.prior
-        # the acceptance ratios of past rows (see row_ratios) and, per row of this call, [extra tokens it committed,
-        # extra tokens the batch's mean row committed on the same steps, steps]
-        self.spread = list(known["spread"]) if known else []
-        self._row_extra: dict[int, list[float]] = {}
-        self._ids: list[int] | None = None  # the original ids of the rows of the step being measured
         self.used = [0] * n
         self.row_steps = [0] * n  # active rows of the steps of each shape (the fraction of rows that speculated)
         self._pending = None  # (shape index, bucket, start time) of the step being measured
@@ -326,76 +313,16 @@ class BatchPolicy:
         cap = self.max_step_tokens
         return [i for i, s in enumerate(self.shapes) if s.plain or cap is None or rows * (s.budget + 1) <= cap]
 
-    def start_step(self, rows: int, forward_seconds: float, fed: int | None, remaining: list[int] | None = None,
-                   ids: list[int] | None = None) -> int:
+    def start_step(self, rows: int, forward_seconds: float, fed: int | None) -> int:
         """Before a step: the node budget's timings (the target's cumulated forward seconds and the tokens of the
         last forward), then :meth:`choose`."""
         if self.nodes is not None:
             self.nodes.observe(forward_seconds, fed)
-        return self.choose(rows, remaining, ids)
+        return self.choose(rows)
 
-    def row_tokens(self, shape: int) -> float:
-        """Committed tokens per row and step of ``shape`` (1 for the plain step): the paired sums over the rows of
-        the configured tree's steps, or the shape's own steps when the tree never ran."""
-        if self.shapes[shape].plain:
-            return 1.0
-        if self.own[0][1] > 0 or not any(o[1] > 0 for o in self.own):
-            return self.tokens[shape] / self.paired
-        own = self.own[shape]
-        return own[0] / own[1] if own[1] > 0 else 1.0
-
-    def row_ratios(self, ids: list[int]) -> list[float]:
-        """Each active row's acceptance ratio: the extra tokens (over one per step) it commits relative to the
-        batch's mean row on the same steps. Rows differ (a row that continues a repeated pattern accepts whole
-        chains, one that starts a new function little), and a batch keeps its slowest rows to the end. A row's
-        ratio is its own evidence plus :attr:`row_prior` extra tokens of a prior: the ratios of past rows
-        (:attr:`spread`), their quantiles given to the rows in the order of their evidence so far (the rows of a
-        new call are alike: the batch gets the spread past batches had); 1.0 without past rows."""
-        n = len(ids)
-        evidence = [self._row_extra.get(r, (0.0, 0.0, 0)) for r in ids]
-        past = sorted(self.spread)
-        priors = [past[min(int((j + 0.5) * len(past) / n), len(past) - 1)] for j in range(n)] if past else [1.0] * n
-        order = sorted(range(n), key=lambda j: self._ratio(evidence[j], 1.0))
-        out = [1.0] * n
-        for rank, j in enumerate(order):
-            out[j] = self._ratio(evidence[j], priors[rank])
-        return out
-
-    def _ratio(self, evidence, prior: float) -> float:
-        """A row's ratio from ``evidence`` (its extra tokens, the mean row's, its steps) and :attr:`row_prior`
-        steps at ``prior`` (one step's acceptance is noisy: 0 to a whole chain)."""
-        extra, mean, steps = evidence
-        if steps == 0 or mean <= 0:
-            return prior
-        weight = self.row_prior * mean / steps  # row_prior steps of the mean row's extra tokens
-        return (extra + weight * prior) / (mean + weight)
-
-    def completion(self, bucket: int, shape: int, remaining: list[int], ratios: list[float]) -> float | None:
-        """Committed tokens per second of the batch if ``shape`` ran every step until its rows finish (``None``:
-        its time is not known). Row ``i`` commits ``1 + ratios[i] * (row_tokens - 1)`` tokens per step, so it
-        leaves after ``remaining[i]`` over that; each step costs the shape's time at the rows still there (in a
-        smaller bucket its time there if measured, else its time in ``bucket``: fewer rows are never slower).
-        A batch whose slow rows keep it running at a few rows pays for their steps at a batch's price: the per-step
-        rate does not see it, this does."""
-        here = self.estimate(bucket, shape)
-        if here is None:
-            return None
-        extra = self.row_tokens(shape) - 1.0
-        steps = sorted(r / (1.0 + max(rho * extra, 0.0)) for r, rho in zip(remaining, ratios))
-        total, before, n = 0.0, 0.0, len(steps)
-        for j, s in enumerate(steps):
-            k = self.bucket(n - j)
-            known = self.seconds(k, shape) if k < bucket and self.trusted(k, shape) else None
-            total += (s - before) * (min(known, here) if known is not None else here)
-            before = s
-        return sum(remaining) / total if total > 0 else None
-
-    def choose(self, rows: int, remaining: list[int] | None = None, ids: list[int] | None = None) -> int:
-        """The shape (index into ``shapes``) of the next step of a batch of ``rows`` active rows; ``remaining``:
-        the tokens each active row may still commit, ``ids``: their original row ids (with both, shapes are
-        compared by the batch's completion time, :meth:`completion`; else by the per-step rate)."""
+    def choose(self, rows: int) -> int:
+        """The shape (index into ``shapes``) of the next step of a batch of ``rows`` active rows."""
         self.close()
-        self._ids = ids
         b = self.bucket(rows)
         allowed = self.allowed(rows)
         inherited = self.inherited(b)
@@ -406,11 +333,6 @@ class BatchPolicy:
         else:
             times = {i: self.estimate(b, i, inherited) for i in allowed}
             rate = {i: self.relative_tokens(i) / t for i, t in times.items() if t is not None}
-            if remaining is not None and ids is not None and rows > 1 and len(rate) > 1:
-                ratios = self.row_ratios(ids)
-                whole = {i: self.completion(b, i, remaining, ratios) for i in rate}
-                if all(v is not None for v in whole.values()):
-                    rate = whole
             best = max(rate, key=rate.get)
             if self.plain in rate and rate[best] < self.threshold(b, rows, {self.plain: rate[self.plain]}):
                 best = self.plain  # a small predicted gain at a large batch: the plain step's cost is certain
@@ -496,16 +418,7 @@ class BatchPolicy:
         own = self.own[pick]
         own[0] = self.decay * own[0] + total
         own[1] = self.decay * own[1] + rows
-        if self._ids is not None and rows > 1 and not self.shapes[pick].plain:  # each row's evidence (row_ratios)
-            counts = host[1] if host is not None else verdict.num_accepted.tolist()  # accepted = extra tokens
-            mean = sum(counts) / len(counts)
-            for r, extra in zip(self._ids, counts):
-                e = self._row_extra.setdefault(r, [0.0, 0.0, 0])
-                e[0] += extra
-                e[1] += mean
-                e[2] += 1
         if pick == 0:  # paired counts
-            self.paired = self.decay * self.paired + rows
             committed = verdict.num_accepted + 1
             prefix = first_child_prefix(tree, verdict)
             context = None  # the first context match's path (tree.context_path), for context chains
@@ -547,16 +460,11 @@ class BatchPolicy:
         self.close()
         if self.nodes is not None:
             self.nodes.remember()
-        # the ratios of this call's rows with a few steps of evidence (pulled toward 1 like any row's) join the
-        # spread new batches expect
-        self.spread.extend(self._ratio(e, 1.0) for e in self._row_extra.values() if e[2] >= self.row_prior)
-        del self.spread[: -self.spread_rows]
         if self.memory is not None:
             owner, key = self.memory
             _MEMORY.setdefault(owner, {})[key] = {"tokens": list(self.tokens), "own": [list(o) for o in self.own],
                                                   "times": {k: list(v) for k, v in self.times.items()},
-                                                  "revisits": (self.since_tree, self.gap, self.budget),
-                                                  "paired": self.paired, "spread": list(self.spread)}
+                                                  "revisits": (self.since_tree, self.gap, self.budget)}
 
     @property
     def stats(self) -> dict:
