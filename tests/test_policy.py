@@ -234,6 +234,27 @@ def test_output_is_exact_whichever_shapes_the_policy_picks(monkeypatch, arch, ba
     assert len(out.stats["shape_steps"]) >= 2 and 0 < out.stats["speculated_row_share"] < 1
 
 
+@pytest.mark.parametrize("kind", ["block_bidirectional", "deer"])
+def test_plain_steps_are_not_drafting_steps_in_the_drafters_statistics(monkeypatch, kind):
+    # tau (accepted drafted tokens + 1 per drafting step), the acceptance by depth the bench derives from the
+    # accepted lengths, and the drafter forwards per step describe the drafter: a plain step the policy chose
+    # commits one token without a draft, and counting it would read as a worse drafter
+    model = enabled("llama")
+    settings = _settings(model, "speculative", dict(tree_budget=10, tree_width=2, tree_depth=4, drafter=kind))
+    ids, mask = prompts(3)
+    _script(monkeypatch, [0, -1, -1, 0, -1])  # the configured tree, then two plain steps (the last shape), ...
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False, decoding="speculative",
+                         return_dict_in_generate=True, **settings)
+    torch.testing.assert_close(out.sequences, reference("llama", 3, 24), rtol=0, atol=0)
+    stats, draft = out.stats, out.draft_stats
+    drafting = sum(n for label, n in stats["shape_steps"].items() if label != "plain")
+    assert stats["shape_steps"]["plain"] > 0 and draft.steps == drafting == len(stats["accepted_lengths"])
+    flat = [t for step in stats["accepted_lengths"] for t in step]
+    assert stats["mean_accepted_length"] == pytest.approx(sum(flat) / len(flat))
+    assert stats["drafter_forwards_per_step"] == pytest.approx(draft.drafter_forwards / drafting)
+    assert out.num_forward_passes == drafting + stats["shape_steps"]["plain"] + 1
+
+
 @pytest.mark.parametrize("decoding, settings", STRATEGIES, ids=_ids(STRATEGIES))
 def test_the_policy_is_on_by_default_and_its_measurements_carry_over(decoding, settings):
     model = enabled("llama")

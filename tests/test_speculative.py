@@ -177,7 +177,8 @@ def test_cost_aware_trees_match_stock_greedy_on_every_main_architecture(monkeypa
                          return_dict_in_generate=True)
     torch.testing.assert_close(out.sequences, reference(arch, 3, 24), rtol=0, atol=0)
     assert out.stats["budget_optional_nodes_per_step"] < 16
-    assert out.num_forward_passes == len(out.stats["accepted_lengths"]) + 1  # one per step, plus the prefill
+    # one per drafting step, plus the plain steps the batch policy chose, plus the prefill
+    assert out.num_forward_passes == len(out.stats["accepted_lengths"]) + out.stats["shape_steps"].get("plain", 0) + 1
 
 
 @pytest.mark.parametrize("settings", [dict(context_matches=2, context_tokens=1, tree_width=4), dict(cost_aware=True)],
@@ -462,7 +463,8 @@ def test_custom_generate_on_a_stock_model_and_per_step_accepted_lengths(small_vo
                          custom_generate=hfpd.speculative, drafter=head, tree_budget=16, return_dict_in_generate=True)
     assert torch.equal(out.sequences, ref)
     lengths = out.stats["accepted_lengths"]
-    assert len(lengths) == out.num_forward_passes - 1 and all(1 <= t <= 7 for step in lengths for t in step)
+    plain = out.stats["shape_steps"].get("plain", 0)  # (plain steps draft nothing: not in the drafter's statistics)
+    assert len(lengths) == out.num_forward_passes - 1 - plain and all(1 <= t <= 7 for step in lengths for t in step)
     flat = [t for step in lengths for t in step]
     assert abs(sum(flat) / len(flat) - out.stats["mean_accepted_length"]) < 1e-9
 

@@ -137,9 +137,16 @@ class ContextDraw:
 
     def take(self, i: int, n: int) -> list[int]:
         """The first ``min(n, k)`` tokens of active row ``i``."""
+        return self._tokens(i, self.picks[i, :n])
+
+    def tail(self, i: int, start: int) -> list[int]:
+        """Active row ``i``'s drawn tokens from index ``start`` on (only those are read)."""
+        return self._tokens(i, self.picks[i, start:])
+
+    def _tokens(self, i: int, picks: torch.Tensor) -> list[int]:
         prompt, committed, total = self.prompts[i], self.committed[i], self.totals[i]
         plen = len(prompt)
-        return [prompt[p] if p < plen else committed[min(p, total - 1) - plen] for p in self.picks[i, :n].tolist()]
+        return [prompt[p] if p < plen else committed[min(p, total - 1) - plen] for p in picks.tolist()]
 
     def cycled(self, i: int, n: int) -> list[int]:
         """``n`` tokens of active row ``i``: its ``k`` drawn tokens, repeated as often as needed."""

@@ -115,7 +115,7 @@ class MultiblockProposer(ComposedTreeProposer):
         self.ends: dict[int, list[int]] = {}
         self.root_pos: dict[int, int] = {}
         self._stats = dict(blocks_activated=0, recycled_wins=0)
-        fills = run.context_draw(n, self.generator)
+        fills = self._draw()
         for i, r in enumerate(run.rows.tolist()):
             self.chain[r] = [int(run.log.tokens[r, 0])]
             self.root_pos[r] = 0
@@ -131,23 +131,35 @@ class MultiblockProposer(ComposedTreeProposer):
 
     def _fit(self, r: int, root_pos: int, fills, i: int) -> None:
         """Make the chain cover ``root_pos .. last block end - 1`` (capped by the token budget); new positions
-        take active row ``i``'s tokens of ``fills`` (a :class:`~.base.ContextDraw`), cycled."""
+        take active row ``i``'s tokens of ``fills()`` (a :class:`~.base.ContextDraw`, drawn when first needed), cycled."""
         want = min(self.ends[r][-1], self._limit(r)) - root_pos
         chain = self.chain[r][:want]
         if len(chain) < want:
-            chain = chain + fills.cycled(i, want - len(chain))
+            chain = chain + fills().cycled(i, want - len(chain))
         self.chain[r] = chain
+
+    def _draw(self):
+        """A callable that draws the step's :class:`~.base.ContextDraw` once, on its first call: a step whose
+        chains need no new positions (a plain step, mostly) draws nothing."""
+        drawn = []
+
+        def fills():
+            if not drawn:
+                drawn.append(self.run.context_draw(self.n, self.generator))
+            return drawn[0]
+
+        return fills
 
     def propose(self):
         """The chain first (its nodes are read back in ``update``), then context matches and recycled n-grams."""
         counts = self.run.log.host_counts(self.run.rows.tolist())
-        context = self.context_candidates(counts)
         roots, cands, sources = [], [], []
         if not self.configured_step:  # the chain alone, cut to the shape's depth (a plain step: none of it)
             rows = self.run.rows
             roots = [self.chain[r][0] for r in rows.tolist()]
             cands = [[self.chain[r][1: self.shape.depth + 1][: self._limit(r) - c]] for r, c in zip(rows.tolist(), counts)]
             return self.pack(torch.tensor(roots, device=rows.device), cands, [[GUESSES] for _ in cands])
+        context = self.context_candidates(counts)  # (only the configured tree holds context matches)
         for i, r in enumerate(self.run.rows.tolist()):
             chain = self.chain[r]
             found = context[i]
@@ -161,8 +173,9 @@ class MultiblockProposer(ComposedTreeProposer):
     def update(self, tree, verdict) -> None:
         choices_l, committed = verdict.choices.tolist(), verdict.tokens.tolist()
         counts = (verdict.num_accepted + 1).tolist()
-        fills = self.run.context_draw(self.n, self.generator)
+        fills = self._draw()
         configured = self.configured_step
+        plain = self.plain_step
         chain_nodes = tree.candidate_index[:, 0].tolist()  # the chain is candidate 0 (only its nodes are read)
         for i, r in enumerate(self.run.rows.tolist()):
             old = self.chain[r]
@@ -191,7 +204,8 @@ class MultiblockProposer(ComposedTreeProposer):
                 new_chain = [bonus] + update[a : len(nodes) - 1]
             else:  # a shorter step: the positions it did not feed keep their guesses
                 new_chain = [bonus] + [update[p - 1] if p <= len(nodes) else old[p] for p in range(a + 1, len(old))]
-            if self.pool_size:  # tail n-grams are shorter, never empty
+            if self.pool_size and not plain:  # tail n-grams are shorter, never empty (a plain step only shifts the
+                # chain: its n-grams are in the pool already)
                 self.pool.add_windows(r, new_chain, self.ngram, start=1)
             self.chain[r] = new_chain
             self.root_pos[r] = root_pos

@@ -125,7 +125,7 @@ class LookaheadProposer(ComposedTreeProposer):
         if self.plain_step:  # one token committed, no window node fed: every level slides by one column
             for i, r in enumerate(self.run.rows.tolist()):
                 self.roots[r] = committed[i][0]
-                self.levels[r] = [lv[1:] + fills[i][len(lv) - 1:] for lv in self.levels[r]]
+                self.levels[r] = [lv[1:] + fills.tail(i, len(lv) - 1) for lv in self.levels[r]]
                 self.ages[r] = self.ages[r][1:] + [0]
             return
         for i, r in enumerate(self.run.rows.tolist()):

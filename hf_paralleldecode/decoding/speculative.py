@@ -29,11 +29,13 @@ Per step (rows run independently; ``cache.py`` explains how they share one cache
        the head keeps the accepted path's features and drops its block slots.
 
 Statistics: ``output.draft_stats`` (a :class:`~hf_paralleldecode.drafters.base.DraftStats`), also flat
-in ``output.stats``: ``mean_accepted_length`` (also ``tau``: accepted drafted tokens + 1 per step, the
-convention of the JetSpec and DFlash papers), ``max_accepted_length``, ``accepted_lengths`` (per step,
+in ``output.stats``: ``mean_accepted_length`` (also ``tau``: accepted drafted tokens + 1 per drafting step, the
+convention of the JetSpec and DFlash papers), ``max_accepted_length``, ``accepted_lengths`` (per drafting step,
 per active row), ``drafter_forwards_per_step``, ``drafter_seconds``, ``drafter_tokens_per_forward``
 (input slots per drafter forward), ``drafting_cost`` (c = (T_draft / N) / T_verify, JetSpec Appendix
-G, with N the drafted nodes) and ``draft_host_seconds``.
+G, with N the drafted nodes) and ``draft_host_seconds``. A plain step the batch policy chose drafts nothing: it
+is not a drafting step (``stats["shape_steps"]["plain"]`` counts those), so these describe the drafter, not
+how often the policy used it.
 """
 
 from __future__ import annotations
@@ -170,7 +172,6 @@ class DraftProposer(Proposer):
         self.root_pos = run.next_positions()  # [active]
         if self.plain_step:  # the roots alone: no drafter forward, no tree (the drafter catches up later)
             self.state.end_step()
-            self.steps += 1
             self.host += time.perf_counter() - t_start
             return root_tree(self.roots)
         counts = run.log.host_counts(run.rows.tolist())
@@ -351,6 +352,8 @@ class DraftProposer(Proposer):
     def update(self, tree, verdict) -> None:
         self.state.update(tree, verdict, self.root_pos)
         self.roots = verdict.tokens.gather(1, verdict.num_accepted[:, None]).squeeze(1)
+        if self.plain_step:  # nothing drafted: not a step of the drafter's statistics
+            return
         lengths = [n + 1 for n in (verdict.host[1] if verdict.host is not None else verdict.num_accepted.tolist())]
         self.accepted_lengths.append(lengths)
         self.accepted += sum(lengths)

@@ -140,9 +140,10 @@ class DrafterState:
 class DraftStats:
     """What a drafted run measured (``output.draft_stats``; the bench reads it).
 
-    ``tau``: accepted drafted tokens + 1 per step and row (the convention of the JetSpec, DFlash and
-    EAGLE papers); ``accepted_lengths``: per step, per active row; ``drafting_cost``: ``c = (T_draft /
-    N) / T_verify`` (JetSpec Appendix G, ``N`` the drafted nodes per step)."""
+    ``tau``: accepted drafted tokens + 1 per drafting step and row (the convention of the JetSpec, DFlash and
+    EAGLE papers); ``accepted_lengths``: per drafting step, per active row; ``drafting_cost``: ``c = (T_draft /
+    N) / T_verify`` (JetSpec Appendix G, ``N`` the drafted nodes per step). ``steps`` are drafting steps: a plain
+    step the batch policy chose drafts nothing and is not counted."""
 
     drafter: str
     tau: float
