@@ -40,7 +40,10 @@ The rule
     * Revisits. While another shape is faster, the configured tree is revisited (it feeds the paired counts, and the
       text may change) at doubling gaps (``explore_every`` steps, then twice that, up to ``max_gap``) and only when
       a revisit's predicted loss, its time minus the time the best shape takes to commit as many tokens, is covered
-      by an exploration budget: ``explore_share`` of the time of the steps since the last visit. Until the tree has
+      by an exploration budget: ``explore_share`` of the time of the steps since the last visit. The revisit then
+      pays what it took, not its estimate: a drafter that reads the whole prompt on the call's first drafting step,
+      or catches up on the tokens committed since its last forward, makes a revisit cost several tree steps, and the
+      next one waits until the steps away from the tree have paid for it. Until the tree has
       three steps in the bucket (its time may still hold a warm-up step) the gaps alone decide, if its floor leaves it
       a chance. A tree that
       loses a little is revisited every few dozen steps, one that loses a step's worth of time at a large batch
@@ -203,6 +206,7 @@ class BatchPolicy:
         self.used = [0] * n
         self.row_steps = [0] * n  # active rows of the steps of each shape (the fraction of rows that speculated)
         self._pending = None  # (shape index, bucket, start time) of the step being measured
+        self._charge = None  # the step being measured is a revisit paid from the budget: its estimated time
         self._drafted = False  # whether a step of this call ran the drafter (see close)
         self._done = False
 
@@ -323,6 +327,7 @@ class BatchPolicy:
     def choose(self, rows: int) -> int:
         """The shape (index into ``shapes``) of the next step of a batch of ``rows`` active rows."""
         self.close()
+        charge = None  # a revisit paid from the budget: the step time its loss was reckoned with
         b = self.bucket(rows)
         allowed = self.allowed(rows)
         inherited = self.inherited(b)
@@ -352,9 +357,11 @@ class BatchPolicy:
                     revisit = self.budget >= loss
                     if revisit:
                         self.budget -= loss
+                        charge = times[0]  # what close() charges beyond: the revisit's measured time is what it cost
                 if revisit:
                     self.gap = min(2 * self.gap, self.max_gap)
             pick = 0 if revisit else best
+        self._charge = charge
         self.since_tree = 0 if pick == 0 else self.since_tree + 1
         self.used[pick] += 1
         self.row_steps[pick] += int(rows)
@@ -453,6 +460,13 @@ class BatchPolicy:
             del t[: -self.window]
         if pick != 0:  # the exploration budget grows with the time spent away from the configured tree
             self.budget += self.explore_share * seconds
+        elif self._charge is not None:
+            # a revisit's loss was reckoned with the tree's estimated time; it pays what the step took: a drafter
+            # reading the whole prompt (the call's first drafting step, left out of the step times) or catching up
+            # on the tokens committed since its last forward is part of what a revisit costs (the budget may go
+            # below zero; the steps away from the tree refill it)
+            self.budget -= seconds - self._charge
+            self._charge = None
         self._done = False
 
     def finish(self) -> None:
@@ -492,9 +506,20 @@ def batch_policy(run, shapes: list[Shape], owner, adaptive: bool, max_step_token
     """The :class:`BatchPolicy` of a call: ``shapes`` when ``adaptive``, else the configured one only; ``nodes``: a
     :class:`~.budget.CostAwareBudget` that cuts each row's tree node by node (``cost_aware=True``). ``None`` when
     there is nothing to decide. Its measurements carry over per ``owner`` (a drafter, or the model), strategy,
-    device, dtype and shapes."""
+    device, dtype, shapes and acceptance rule (:func:`acceptance_rule`)."""
     if not adaptive and nodes is None:
         return None
     shapes = list(shapes) if adaptive else list(shapes[:1])
-    key = (run.name, str(run.rows.device), str(run.model.dtype), tuple(shapes))
+    key = (run.name, str(run.rows.device), str(run.model.dtype), tuple(shapes),
+           acceptance_rule(run.generation_config, run.logits_processor))
     return BatchPolicy(shapes, memory=(owner, key), max_step_tokens=max_step_tokens, nodes=nodes)
+
+
+def acceptance_rule(generation_config, logits_processor) -> tuple:
+    """What decides how much of a tree is accepted besides the text: greedy or sampled, and the processors with their
+    scalar settings (a temperature, a top-k, a repetition penalty). Calls that differ in it do not share measurements:
+    the same drafter that commits five tokens per step greedily commits one or two at temperature 0.8."""
+    processors = tuple(
+        (type(p).__name__, tuple(sorted((k, v) for k, v in vars(p).items() if isinstance(v, (bool, int, float, str)))))
+        for p in (logits_processor or ()))
+    return bool(generation_config.do_sample), processors
