@@ -328,10 +328,21 @@ def test_greedy_and_sampled_calls_do_not_share_measurements():
 def test_a_one_token_cap_makes_every_step_plain_and_exact(decoding, settings):
     model = enabled("qwen3")
     ids, mask = prompts(3)
-    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False, decoding=decoding,
-                         max_step_tokens=1, return_dict_in_generate=True, **_settings(model, decoding, settings))
+    # a plain step is fed as stock decoding feeds it: one token per row and the 2D padding mask (the model's own
+    # causal path), never a 4D tree mask
+    fed = []
+    handle = model.register_forward_pre_hook(
+        lambda module, args, kwargs: fed.append((kwargs["input_ids"].shape[1], kwargs.get("attention_mask"))),
+        with_kwargs=True)
+    try:
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False, decoding=decoding,
+                             max_step_tokens=1, return_dict_in_generate=True, **_settings(model, decoding, settings))
+    finally:
+        handle.remove()
     torch.testing.assert_close(out.sequences, reference("qwen3", 3, 24), rtol=0, atol=0)
     assert set(out.stats["shape_steps"]) == {"plain"} and out.stats["speculated_row_share"] == 0
+    steps = fed[1:]  # (after the prefill)
+    assert steps and all(width == 1 and m is not None and m.dim() == 2 for width, m in steps)
 
 
 @pytest.mark.parametrize("decoding", [d for d, _ in STRATEGIES])

@@ -191,8 +191,11 @@ class SlotCache:
             # the kept slots first; a shorter row's columns past its count are holes (any slot will do)
             order = torch.tensor([k + [0] * (last - len(k)) for k in kept], dtype=torch.long,
                                  device=self._valid.device).reshape(len(kept), last)
-        new = torch.tensor([[j < c for j in range(last)] for c in counts], dtype=torch.bool,
-                           device=self._valid.device).reshape(len(counts), last)
+        if last == 1 and all(counts):  # every row keeps one slot (a plain step)
+            new = torch.ones(len(counts), 1, dtype=torch.bool, device=self._valid.device)
+        else:
+            new = torch.tensor([[j < c for j in range(last)] for c in counts], dtype=torch.bool,
+                               device=self._valid.device).reshape(len(counts), last)
         self._append(order, new, width, max(after, default=0))
         self._host_num_valid = after
 

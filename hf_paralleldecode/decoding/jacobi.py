@@ -36,7 +36,7 @@ import torch
 from ..hardware import preset_settings
 from .base import Proposer, check_int_setting, checks_settings, decode
 from .policy import batch_policy, check_policy_settings, shapes_from
-from .tree import chain_tree
+from .tree import chain_tree, root_tree
 
 __all__ = ["jacobi", "JACOBI_INITS"]
 
@@ -76,6 +76,8 @@ class JacobiProposer(Proposer):
         self._new_guesses(torch.ones_like(first, dtype=torch.bool))
 
     def propose(self):
+        if self.plain_step:  # the roots alone, as stock decoding feeds them
+            return root_tree(self.draft[:, 0])
         widths = self.widths()  # [active]
         return chain_tree(self.draft[:, : int(widths.max())], widths)
 

@@ -25,7 +25,7 @@ from ..hardware import preset_settings
 from .base import Proposer, check_bool_setting, check_int_setting, checks_settings, decode
 from .budget import CostAwareBudget
 from .policy import batch_policy, check_policy_settings, shapes_from
-from .tree import PackedTree, pack_trees
+from .tree import PackedTree, pack_trees, root_tree
 
 __all__ = ["prompt_lookup", "context_candidates", "NgramIndex", "ContextNgrams", "ComposedTreeProposer", "check_context_settings",
            "GUESSES", "POOL", "CONTEXT"]
@@ -171,8 +171,8 @@ class ComposedTreeProposer(Proposer):
         return self.context.candidates(counts) if self.context is not None else [[] for _ in counts]
 
     def pack(self, roots: torch.Tensor, candidates, sources) -> PackedTree:
-        if self.plain_step:  # the roots alone (one empty candidate per row: readers of candidate 0 find nothing)
-            return pack_trees(roots, [[[]] for _ in candidates])
+        if self.plain_step:  # the roots alone, as stock decoding feeds them (one empty candidate per row)
+            return root_tree(roots)
         return pack_trees(roots, candidates, max_nodes=self.max_nodes, sources=sources, budget=self.cost_budget)
 
     def with_context_stats(self, stats: dict) -> dict:

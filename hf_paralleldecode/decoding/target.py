@@ -108,6 +108,7 @@ class TargetForward:
         self._takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._cuda = model.device.type == "cuda"
         self.token_type_ids = None  # [batch, prompt_len] when given: new tokens repeat each row's last type
+        self._head = False  # the model's GreedyHead (None: none), looked up on the call's first greedy step
 
     def prompt_inputs(self) -> dict:
         return {} if self.token_type_ids is None else {"token_type_ids": self.token_type_ids}
@@ -150,7 +151,9 @@ class TargetForward:
         scale after the head) is checked on its first such step, which runs the plain forward; models that fail
         keep it. The head's time counts as the forward's.
         """
-        head = GreedyHead.of(self.model)
+        if self._head is False:  # looked up once per call (the model's structure does not change within one)
+            self._head = GreedyHead.of(self.model)
+        head = None if self._head is None or self._head.refused else self._head
         if head is None or (head.checked and not head.worth_it(tree.tokens.numel())):
             return greedy_argmax(self.forward(tree, slots, first_positions, rows, fp32=False))
         if not head.checked:  # the model's first greedy step: the plain forward, and the check

@@ -93,17 +93,20 @@ _ROOT_STRUCTURE: dict = {}  # (batch, device) -> the constant tensors of a one-n
 
 
 def root_tree(roots: torch.Tensor) -> PackedTree:
-    """Each row's root alone (``roots [batch]``): a plain step's tree, a chain of one node. Its structure does not
-    depend on the tokens, so it is built once per batch size and device (read-only views)."""
+    """Each row's root alone (``roots [batch]``): a plain step's tree, a chain of one node (fed with the 2D mask stock
+    decoding passes), holding one empty candidate per row (readers of a row's first candidate find nothing). Its
+    structure does not depend on the tokens, so it is built once per batch size and device (read-only views)."""
     key = (roots.shape[0], roots.device)
     structure = _ROOT_STRUCTURE.get(key)
     if structure is None:
         batch, device = key
         zeros = torch.zeros(batch, 1, dtype=torch.long, device=device)
         structure = _ROOT_STRUCTURE[key] = (zeros - 1, zeros, torch.ones(batch, dtype=torch.long, device=device),
-                                            torch.ones(batch, 1, 1, dtype=torch.bool, device=device))
-    parents, depth, widths, mask = structure
-    return PackedTree(roots[:, None], parents, depth, widths, mask, is_chain=True, _max_depth=0)
+                                            torch.ones(batch, 1, 1, dtype=torch.bool, device=device),
+                                            torch.zeros(batch, 1, 0, dtype=torch.long, device=device))
+    parents, depth, widths, mask, candidates = structure
+    return PackedTree(roots[:, None], parents, depth, widths, mask, is_chain=True, candidate_index=candidates,
+                      _max_depth=0)
 
 
 def chain_tree(tokens: torch.Tensor, widths: torch.Tensor) -> PackedTree:
