@@ -424,6 +424,9 @@ def test_a_deer_drafter_catches_up_on_at_most_max_catch_up_tokens_after_plain_st
     else:  # at most the cap, or the last drafted step's tokens (its depth + 1)
         assert max(seen) <= 5
     assert (spy.skipped > 0) == (cap is not None)
+    # reported: what the drafter's context left out, for the whole call
+    assert out.stats["drafter_skipped_tokens"] == out.draft_stats.drafter_skipped_tokens >= spy.skipped
+    assert (out.stats["drafter_skipped_tokens"] > 0) == (cap is not None)
 
 
 def test_one_slow_first_step_does_not_lock_a_shape_out():

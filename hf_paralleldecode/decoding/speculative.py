@@ -370,6 +370,7 @@ class DraftProposer(Proposer):
             accepted_lengths=self.accepted_lengths, steps=self.steps, drafter_forwards=self.state.forwards,
             drafter_seconds=self.state.seconds, drafter_fed_tokens=self.state.fed_tokens,
             drafted_nodes=self.drafted_nodes, drafting_cost=per_node / per_verify, draft_host_seconds=self.host,
+            drafter_skipped_tokens=self.state.skipped_tokens,
         )
 
     @property

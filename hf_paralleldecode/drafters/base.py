@@ -113,6 +113,7 @@ class DrafterState:
         self.forwards = 0  # drafter forwards
         self.seconds = 0.0  # their time
         self.fed_tokens = 0  # input slots fed, summed over forwards
+        self.skipped_tokens = 0  # committed tokens left out of the drafter's context (a capped catch-up)
 
     def marginals(self, roots: torch.Tensor, root_pos: torch.Tensor, depth: int | None = None) -> torch.Tensor:
         """``[active, D, V]`` raw logits for depths ``1..D`` after each row's root. ``depth``: the depths this step
@@ -143,7 +144,8 @@ class DraftStats:
     ``tau``: accepted drafted tokens + 1 per drafting step and row (the convention of the JetSpec, DFlash and
     EAGLE papers); ``accepted_lengths``: per drafting step, per active row; ``drafting_cost``: ``c = (T_draft /
     N) / T_verify`` (JetSpec Appendix G, ``N`` the drafted nodes per step). ``steps`` are drafting steps: a plain
-    step the batch policy chose drafts nothing and is not counted."""
+    step the batch policy chose drafts nothing and is not counted. ``drafter_skipped_tokens``: committed tokens left
+    out of the drafter's context (0 for drafters that always catch up in full)."""
 
     drafter: str
     tau: float
@@ -156,6 +158,9 @@ class DraftStats:
     drafted_nodes: int
     drafting_cost: float
     draft_host_seconds: float
+    #: committed tokens (all rows) the drafter's context left out: a block-causal DEER drafter catches up on at most
+    #: its last ``max_catch_up`` tokens per row after a run of plain steps, the older ones stay a hole
+    drafter_skipped_tokens: int = 0
 
     @property
     def drafter_forwards_per_step(self) -> float:

@@ -598,7 +598,6 @@ class DiffusionState(DrafterState):
         self._blocks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # shorter blocks, by depth
         self.steps = min(steps or c.denoise_steps, depth)
         self._fed_prompt = False
-        self.skipped_tokens = 0
         if self.causal:
             b = run.rows.shape[0]
             self.slots = SlotCache(DynamicCache(), torch.zeros(b, 0, dtype=torch.bool, device=device), drafter.dtype)
