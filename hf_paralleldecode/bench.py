@@ -163,28 +163,43 @@ def random_model(name: str, vocab_size: int, seed: int = 0):
 
 
 class _ForwardTimer:
-    """Counts target forward passes and their seconds through module hooks."""
+    """Counts target forward passes and their seconds through module hooks; ``calls``: each forward's rows (``None``:
+    not known) and seconds, in order."""
 
     def __init__(self, model):
-        self.count, self.seconds, self._t0 = 0, 0.0, None
+        self.count, self.seconds, self._t0, self._rows = 0, 0.0, None, None
+        self.calls: list[tuple[int | None, float]] = []
         self._cuda = next(model.parameters()).is_cuda
-        self._handles = [model.register_forward_pre_hook(self._pre), model.register_forward_hook(self._post)]
+        self._handles = [model.register_forward_pre_hook(self._pre, with_kwargs=True),
+                         model.register_forward_hook(self._post)]
 
     def _sync(self):
         if self._cuda:
             torch.cuda.synchronize()
 
-    def _pre(self, module, args):
+    def _pre(self, module, args, kwargs):
+        inputs = next((x for x in (kwargs.get("input_ids"), kwargs.get("inputs_embeds"), *args[:1])
+                       if torch.is_tensor(x)), None)
+        self._rows = int(inputs.shape[0]) if inputs is not None else None
         self._sync()
         self._t0 = time.perf_counter()
 
     def _post(self, module, args, output):
         self._sync()
-        self.seconds += time.perf_counter() - self._t0
+        seconds = time.perf_counter() - self._t0
+        self.seconds += seconds
         self.count += 1
+        self.calls.append((self._rows, seconds))
 
     def reset(self):
         self.count, self.seconds = 0, 0.0
+        self.calls = []
+
+    def tail(self, batch: int) -> tuple[float, float]:
+        """``(seconds, total)``: the forward seconds of the decoding forwards (every one after the first, the prompt's)
+        that fed fewer rows than ``batch`` (rows that finished waiting for the slowest), and of all of them."""
+        decode = self.calls[1:]
+        return (sum(s for rows, s in decode if rows is not None and rows < batch), sum(s for _, s in decode))
 
     def remove(self):
         for h in self._handles:
@@ -306,6 +321,8 @@ def _one_run(model, enc, spec: StrategySpec | None, max_new_tokens: int, timer: 
         row_forwards = stats["row_forwards"] if ours else gen.shape[0] * timer.count
     sync()
     t1 = time.perf_counter()
+    # row by row (a batch-1 peer) every forward has fewer rows than the batch: no tail to speak of
+    tail = (0.0, 0.0) if _row_by_row(spec, enc["input_ids"].shape[0]) else timer.tail(enc["input_ids"].shape[0])
     tokens = _count_generated(gen, pad, eos)
     budget_steps = max(timer.count - 1, 0) if ours and "budget_optional_nodes_per_step" in stats else 0
     first = clock.first_token_time or t1
@@ -325,6 +342,9 @@ def _one_run(model, enc, spec: StrategySpec | None, max_new_tokens: int, timer: 
         budget_nodes=stats.get("budget_optional_nodes_per_step", 0.0) * budget_steps,
         # the batch policy: active rows of the steps of each shape (the plain ones did not speculate)
         shape_row_steps=stats.get("shape_row_steps", {}) if ours else {},
+        # the decoding forwards' seconds with fewer rows than the batch (rows that finished early), and all of them
+        tail_seconds=tail[0],
+        decode_forward_seconds=tail[1],
     )
 
 
@@ -391,7 +411,7 @@ def run_benchmark(
             drafts = {lab: None for lab in labels}
             acc = {lab: dict(seconds=0.0, decode_seconds=0.0, tokens=0, decode_tokens=0, forwards=0,
                              forward_seconds=0.0, rows=0, row_forwards=0, budget_nodes=0.0, budget_steps=0,
-                             shape_row_steps={})
+                             shape_row_steps={}, tail_seconds=0.0, decode_forward_seconds=0.0)
                    for lab in labels}
             for b, enc in enumerate(encoded):
                 ar_generated = None
@@ -406,6 +426,8 @@ def run_benchmark(
                     a["decode_tokens"] += res["tokens"] - rows
                     a["rows"] += rows
                     a["row_forwards"] += res["row_forwards"]
+                    a["tail_seconds"] += res["tail_seconds"]
+                    a["decode_forward_seconds"] += res["decode_forward_seconds"]
                     a["budget_nodes"] += res["budget_nodes"]
                     a["budget_steps"] += res["budget_steps"]
                     for shape, n in res["shape_row_steps"].items():
@@ -469,6 +491,12 @@ def run_benchmark(
             # host time (everything but the target forwards) per decoding step, in milliseconds
             host_ms_per_step=med(1e3 * (r["seconds"] - r["forward_seconds"]) / max(r["forwards"], 1) for r in runs),
             forward_passes=med(r["forwards"] for r in runs),
+            # the share of the decoding forwards' time spent with fewer rows than the batch: rows that finished
+            # early while the batch waits for its slowest (stock greedy keeps every row to the end: 0); None for a
+            # batch-1 peer run row by row
+            tail_time_share=None if _row_by_row(spec, batch_size) else
+            med(r["tail_seconds"] / r["decode_forward_seconds"] if r["decode_forward_seconds"] > 0 else 0.0
+                for r in runs),
             # cost_aware=True: optional (drafted) nodes the budget fed per step
             **({"budget_optional_nodes_per_step": med(r["budget_nodes"] / max(r["budget_steps"], 1) for r in runs)}
                if any(r["budget_steps"] for r in runs) else {}),
@@ -617,7 +645,7 @@ def format_report(report: dict) -> str:
     """The results as a text table; the first column is as wide as the longest label."""
     w = max(12, *(len(lab) for lab in report["results"])) + 2
     head = (f"{'strategy':<{w}}{'TPF':>6}{'tok/s':>9}{'dec tok/s':>11}{'speedup':>9}{'exact':>7}{'overhead':>10}"
-            f"{'host ms/step':>14}{'spec rows':>11}")
+            f"{'host ms/step':>14}{'spec rows':>11}{'tail':>7}")
     lines = [head, "-" * len(head)]
     for lab, r in report["results"].items():
         lines.append(
@@ -625,6 +653,7 @@ def format_report(report: dict) -> str:
             f"{r['speedup_vs_ar']:>8.2f}x{_exact(r['exact_match_vs_ar']):>7}{r['loop_overhead']:>10.1%}"
             f"{r.get('host_ms_per_step', float('nan')):>14.2f}"
             + (f"{r['speculated_row_share']:>11.0%}" if "speculated_row_share" in r else f"{'':>11}")
+            + (f"{r['tail_time_share']:>7.0%}" if r.get("tail_time_share") is not None else f"{'':>7}")
         )
     return "\n".join(lines)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from models import tiny_model, word_tokenizer
 
 from hf_paralleldecode import cli
@@ -43,6 +44,37 @@ def test_benchmark_reports_every_figure_and_writes_json_and_png(tmp_path, batch_
     assert json.loads((tmp_path / "bench.json").read_text())["repeats"] == 2
     assert (tmp_path / "bench.png").stat().st_size > 1000
     assert "jacobi(block_size=16)" in format_report(report) and "host ms/step" in format_report(report)
+    assert "tail" in format_report(report).splitlines()[0]
+    for lab, r in report["results"].items():
+        if r["sequential_rows"]:  # a batch-1 peer run row by row: no tail to speak of
+            assert r["tail_time_share"] is None
+        elif lab == "ar":  # stock keeps every row to the end
+            assert r["tail_time_share"] == 0.0
+        else:
+            assert 0.0 <= r["tail_time_share"] <= 1.0
+
+
+def test_the_tail_is_the_decoding_forwards_time_with_fewer_rows_than_the_batch():
+    """The bench's ``tail_time_share``: forwards after the prompt's that fed fewer rows than the call's batch (rows
+    that finished early while the batch waits for its slowest), over all the decoding forwards' time."""
+    from hf_paralleldecode.bench import _ForwardTimer
+
+    model = tiny_model("llama")
+    timer = _ForwardTimer(model)
+    try:
+        with torch.no_grad():
+            for rows, width in ((3, 6), (3, 1), (3, 2), (1, 2), (2, 1)):  # the prompt, then the decoding forwards
+                model(input_ids=torch.full((rows, width), 5))
+            model(torch.full((1, 1), 5))  # a positional input is counted as well
+    finally:
+        timer.remove()
+    assert [rows for rows, _ in timer.calls] == [3, 3, 3, 1, 2, 1]
+    tail, total = timer.tail(3)
+    seconds = [s for _, s in timer.calls]
+    assert total == pytest.approx(sum(seconds[1:])) and tail == pytest.approx(seconds[3] + seconds[4] + seconds[5])
+    assert timer.tail(1) == (0.0, pytest.approx(sum(seconds[1:])))
+    timer.reset()
+    assert timer.calls == [] and timer.tail(3) == (0.0, 0.0)
 
 
 def test_cost_aware_entries_report_the_nodes_their_budget_fed():
