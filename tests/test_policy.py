@@ -615,3 +615,76 @@ def test_exploration_at_a_large_batch_needs_the_margin_the_choice_needs():
     assert policy.hopeful(b, 16, 1, {4: 0.1 / 0.010}) is False
     assert policy.hopeful(b, 4, 1, {4: 0.1 / 0.010}) is True  # below 8 rows any gain counts
     assert {policy.choose(16) for _ in range(10)} == {4}
+
+
+def _spread(policy, mus_sigmas, row_steps=100.0):
+    """Paired sums giving each shape the mean ``mu`` and spread ``sigma`` of tokens per row-step."""
+    policy.paired_rows = row_steps
+    policy.tokens = [mu * row_steps for mu, _ in mus_sigmas]
+    policy.squares = [(sigma ** 2 + mu ** 2) * row_steps for mu, sigma in mus_sigmas]
+    policy.own[0] = [mus_sigmas[0][0] * 20.0, 20.0]  # the tree has run
+
+
+def test_the_tail_factor_charges_the_steps_a_static_batch_runs_with_finished_rows():
+    """Rows that accept more finish first; the batch then runs its last steps with fewer rows. With ``n`` steps for
+    a typical row and the rows spread over ``n +- w`` (``w = z * sigma * sqrt(n) / mu``), a shape keeps
+    ``n full / ((n - w) full + 2 w drain)`` of its per-step rate: nothing at one row or for the plain step, most
+    where a step of a few rows costs what a full one costs, least where step time is proportional to the rows."""
+    shapes = shapes_from(4, 16, 20, True)
+    policy = BatchPolicy(shapes)
+    _spread(policy, [(5.0, 3.0), (4.0, 2.5), (3.0, 1.2), (2.5, 0.6), (1.0, 0.0)])
+    policy.remaining = 64
+    b = BatchPolicy.bucket(16)
+    for k in range(b + 1):  # flat: a step costs the same whatever its rows
+        policy.times.update({(k, i): [0.05] * 4 for i in range(len(shapes))})
+    flat = [policy.tail_factor(b, 16, i) for i in range(len(shapes))]
+    mu, sigma, n = 5.0, 3.0, 64 / 5.0
+    w = policy_module._expected_max(16) * sigma * n ** 0.5 / mu
+    assert flat[0] == pytest.approx(n / (n + w))
+    assert flat[-1] == 1.0 and flat[0] < flat[1] < flat[2] < flat[3] < 1.0  # the wider the spread, the larger the tail
+    assert policy.tail_factor(0, 1, 0) == 1.0  # one row has no tail
+    for k in range(b + 1):  # proportional to the rows: a draining batch is cheap, the tail costs little
+        policy.times.update({(k, i): [0.05 * 2 ** k / 16] * 4 for i in range(len(shapes))})
+    assert flat[0] < policy.tail_factor(b, 16, 0) <= 1.0
+    policy.remaining = None  # (a policy driven without the rows' remaining tokens)
+    assert policy.tail_factor(b, 16, 0) == 1.0
+    assert policy_module._expected_max(1) == 0.0 and 1.7 < policy_module._expected_max(16) < 1.8
+
+
+def test_at_a_large_batch_the_shape_with_the_smaller_tail_wins_a_close_per_step_race():
+    """Per step an 8-level chain beats a 2-level one by 10%; over a batch of 16 whose small steps cost what full ones
+    cost, its wider spread of tokens per row makes it lose; at one row the per-step rate decides."""
+    shapes = shapes_from(4, 16, 20, True)
+    policy = BatchPolicy(shapes)
+    _spread(policy, [(5.0, 3.0), (4.4, 2.8), (3.0, 1.2), (2.0, 0.4), (1.0, 0.0)])
+    for rows in (16, 1):
+        b = BatchPolicy.bucket(rows)
+        for k in range(b + 1):
+            # seconds: the tree 0.2 (out of the race), chain 8 0.040 (110 tokens per second), chain 4 0.05 (60),
+            # chain 2 0.020 (100), plain 0.020 (50)
+            policy.times.update({(k, 0): [0.2] * 4, (k, 1): [0.040] * 4, (k, 2): [0.05] * 4, (k, 3): [0.020] * 4,
+                                 (k, 4): [0.020] * 4})
+        policy.since_tree, policy.gap = 0, 1000  # no revisit of the tree
+        assert policy.start_step(rows, 0.0, None, remaining=64) == (3 if rows == 16 else 1)
+
+
+def test_the_policy_gets_the_rows_remaining_tokens_and_keeps_the_spread_across_calls(monkeypatch):
+    model = enabled("llama")
+    ids, mask = prompts(3)
+    seen = []
+    real = BatchPolicy.start_step
+
+    def spy(self, rows, seconds, fed, remaining=None):
+        seen.append((rows, remaining))
+        return real(self, rows, seconds, fed, remaining)
+
+    monkeypatch.setattr(BatchPolicy, "start_step", spy)
+    policy_module._MEMORY.pop(model, None)
+    model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False, decoding="prompt_lookup")
+    assert seen[0] == (3, 11)  # the prefill committed each row's first token
+    assert all(0 < r <= 11 for _, r in seen) and [r for _, r in seen] == sorted((r for _, r in seen), reverse=True)
+    stored = next(iter(policy_module._MEMORY[model].values()))
+    assert stored["paired_rows"] > BatchPolicy.prior and len(stored["squares"]) == len(stored["tokens"])
+    again = BatchPolicy(list(next(iter(policy_module._MEMORY[model]))[3]),
+                        memory=(model, next(iter(policy_module._MEMORY[model]))))
+    assert again.squares == stored["squares"] and again.paired_rows == stored["paired_rows"]

@@ -103,6 +103,10 @@ class CommitLog:
     def count(self) -> torch.Tensor:
         return self._tensor("count", lambda: self._long(self._count))
 
+    def mean_remaining(self, rows: list[int]) -> float:
+        """The mean of ``rows``' new tokens still allowed (``max_new_tokens`` minus what each has committed)."""
+        return self.max_new_tokens - sum(self._count[r] for r in rows) / max(len(rows), 1)
+
     @property
     def first_eos(self) -> torch.Tensor:
         return self._tensor("first_eos", lambda: self._long(self._first_eos))

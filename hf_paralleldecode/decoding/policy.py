@@ -50,8 +50,14 @@ The rule
       rarely. The gap, the budget and the steps since the last visit carry over to the next call, like the
       measurements: a server's short requests do not each pay for a revisit.
 
+    The tail. ``generate``'s batch is static: rows that accept more finish first, and the batch runs its last steps
+    with fewer rows, on a CPU at nearly a full step's cost. A shape's rate is therefore scaled by
+    :meth:`tail_factor`, predicted from the spread of its tokens per row-step (paired, like the tokens), the rows'
+    remaining new tokens and the shape's step times at fewer rows: nothing for the plain step or one row, most for
+    a deep shape at a batch whose small steps cost what full ones cost.
+
     From ``margin_rows`` active rows on, a shape must be predicted ``margin`` faster than the plain step: rows that
-    speculate fall out of step, and a batch that waits for its slowest rows runs its last steps nearly empty.
+    speculate fall out of step, and the tail is predicted from a model, while the plain step's cost is certain.
 
     Measurements carry over to the next call of the same owner (the drafter, or the model) with the same device,
     dtype and shapes, so a server's first call pays the exploration once.
@@ -150,6 +156,13 @@ def first_child_prefix(tree, verdict) -> torch.Tensor:
     return path_prefix(verdict, first.gather(1, verdict.path[:, :-1].clamp(min=0)))
 
 
+def _expected_max(n: int) -> float:
+    """The expected largest of ``n`` standard normal draws (Blom's approximation; 0 for one)."""
+    from statistics import NormalDist
+
+    return 0.0 if n < 2 else NormalDist().inv_cdf((n - 0.375) / (n + 0.25))
+
+
 _MEMORY: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # owner -> {key: measurements of its last call}
 
 
@@ -198,6 +211,11 @@ class BatchPolicy:
         # + 1 and every other shape one token: one unlucky first step does not lock the configured tree out, and the
         # others need real evidence to win)
         self.tokens = list(known["tokens"]) if known else [self.prior * (self.shapes[0].depth + 1)] + [self.prior] * (n - 1)
+        # the same steps' decayed sums of squared tokens per row and their decayed row-steps (the prior's included):
+        # each shape's spread of tokens per row-step, from which its tail is predicted (see tail_factor)
+        self.squares = list(known["squares"]) if known else [t * t / self.prior for t in self.tokens]
+        self.paired_rows = known["paired_rows"] if known else self.prior
+        self.remaining = None  # the active rows' mean remaining new tokens (start_step)
         self.own = [list(v) for v in known["own"]] if known else [[0.0, 0.0] for _ in range(n)]
         self.times = {k: list(v) for k, v in known["times"].items()} if known else {}
         # revisits of a losing configured tree: steps since its last visit, the gap to the next one (doubles while
@@ -317,12 +335,46 @@ class BatchPolicy:
         cap = self.max_step_tokens
         return [i for i, s in enumerate(self.shapes) if s.plain or cap is None or rows * (s.budget + 1) <= cap]
 
-    def start_step(self, rows: int, forward_seconds: float, fed: int | None) -> int:
+    def start_step(self, rows: int, forward_seconds: float, fed: int | None, remaining: float | None = None) -> int:
         """Before a step: the node budget's timings (the target's cumulated forward seconds and the tokens of the
-        last forward), then :meth:`choose`."""
+        last forward), the active rows' mean remaining new tokens (``None``: unknown), then :meth:`choose`."""
         if self.nodes is not None:
             self.nodes.observe(forward_seconds, fed)
+        self.remaining = remaining
         return self.choose(rows)
+
+    def tail_factor(self, bucket: int, rows: int, shape: int) -> float:
+        """The share of ``shape``'s per-step rate left over a whole static batch: rows that accept more finish first,
+        and the batch's last steps run with fewer rows at nearly a full step's cost (the bench's tail).
+
+        With ``mu`` and ``sigma`` the mean and spread of a row's tokens per step (paired), ``n = remaining / mu``
+        steps for a typical row: the rows finish over ``n +- w`` steps, ``w = z * sigma * sqrt(n) / mu`` (``z``: the
+        expected largest of ``rows`` standard normals), so the batch runs ``n - w`` full steps and ``2 w`` draining
+        ones at the mean time of a step of 1 .. rows - 1 rows (each bucket's estimate, else this one's). The factor is ``n`` full
+        steps' time over that. 1.0 for the plain step (every row commits one token) and for one row."""
+        s = self.shapes[shape]
+        if s.plain or rows < 2 or not self.remaining or self.remaining <= 0:
+            return 1.0
+        mu = self.tokens[shape] / self.paired_rows
+        if self.own[0][1] == 0 or mu <= 0:  # no paired steps: nothing known of the spread
+            return 1.0
+        sigma = max(self.squares[shape] / self.paired_rows - mu * mu, 0.0) ** 0.5
+        n = self.remaining / mu
+        w = min(_expected_max(rows) * sigma * n ** 0.5 / mu, n)
+        full = self.estimate(bucket, shape)
+        if full is None:
+            return 1.0
+        # a draining batch passes through every row count below this one: the mean step time over 1 .. rows - 1,
+        # each from its bucket's estimate (this bucket's where a smaller one is not measured)
+        total = 0.0
+        for k in range(bucket + 1):
+            span = min(2 ** (k + 1), rows) - 2 ** k
+            t = self.estimate(k, shape) if k < bucket else full
+            total += span * min(t if t is not None else full, full)
+        drain = total / (rows - 1)
+        # (step time proportional to the rows: no loss; a bucket's time stands for its smallest batch, so the
+        # estimate can dip below that, which a tail never gains)
+        return min(1.0, n * full / ((n - w) * full + 2 * w * drain))
 
     def choose(self, rows: int) -> int:
         """The shape (index into ``shapes``) of the next step of a batch of ``rows`` active rows."""
@@ -337,7 +389,8 @@ class BatchPolicy:
             pick = young
         else:
             times = {i: self.estimate(b, i, inherited) for i in allowed}
-            rate = {i: self.relative_tokens(i) / t for i, t in times.items() if t is not None}
+            rate = {i: self.relative_tokens(i) / t * self.tail_factor(b, rows, i) for i, t in times.items()
+                    if t is not None}
             best = max(rate, key=rate.get)
             if self.plain in rate and rate[best] < self.threshold(b, rows, {self.plain: rate[self.plain]}):
                 best = self.plain  # a small predicted gain at a large batch: the plain step's cost is certain
@@ -395,7 +448,8 @@ class BatchPolicy:
         measured = [i for i in allowed if not young(i)]
         if not measured:
             return rest[0] if rest else None
-        rates = {i: self.relative_tokens(i) / self.estimate(b, i, inherited) for i in measured}
+        rates = {i: self.relative_tokens(i) / self.estimate(b, i, inherited) * self.tail_factor(b, rows, i)
+                 for i in measured}
         bar = self.threshold(b, rows, rates)
         optimistic = {i: self.optimistic(b, i) for i in rest}  # (each floor once)
         hopeful = [i for i in rest if optimistic[i] > bar]
@@ -430,6 +484,8 @@ class BatchPolicy:
             prefix = first_child_prefix(tree, verdict)
             context = None  # the first context match's path (tree.context_path), for context chains
             self.tokens[0] = self.decay * self.tokens[0] + float(committed.sum())
+            self.squares[0] = self.decay * self.squares[0] + float((committed * committed).sum())
+            self.paired_rows = self.decay * self.paired_rows + committed.numel()
             for i, shape in enumerate(self.shapes[1:], 1):
                 if not shape.drafter:
                     if context is None:
@@ -439,6 +495,7 @@ class BatchPolicy:
                 else:
                     would = prefix.clamp(max=shape.depth) + 1
                 self.tokens[i] = self.decay * self.tokens[i] + float(would.sum())
+                self.squares[i] = self.decay * self.squares[i] + float((would * would).sum())
         self._done = True
 
     def close(self) -> None:
@@ -478,6 +535,7 @@ class BatchPolicy:
             owner, key = self.memory
             _MEMORY.setdefault(owner, {})[key] = {"tokens": list(self.tokens), "own": [list(o) for o in self.own],
                                                   "times": {k: list(v) for k, v in self.times.items()},
+                                                  "squares": list(self.squares), "paired_rows": self.paired_rows,
                                                   "revisits": (self.since_tree, self.gap, self.budget)}
 
     @property
