@@ -292,7 +292,8 @@ def _one_run(model, enc, spec: StrategySpec | None, max_new_tokens: int, timer: 
     timer.reset()
     sync()
     t0 = time.perf_counter()
-    if _row_by_row(spec, enc["input_ids"].shape[0]):
+    sequential = _row_by_row(spec, enc["input_ids"].shape[0])
+    if sequential:
         rows = []
         for ids, mask in zip(enc["input_ids"], enc["attention_mask"]):
             keep = mask.bool()
@@ -322,7 +323,7 @@ def _one_run(model, enc, spec: StrategySpec | None, max_new_tokens: int, timer: 
     sync()
     t1 = time.perf_counter()
     # row by row (a batch-1 peer) every forward has fewer rows than the batch: no tail to speak of
-    tail = (0.0, 0.0) if _row_by_row(spec, enc["input_ids"].shape[0]) else timer.tail(enc["input_ids"].shape[0])
+    tail = (0.0, 0.0) if sequential else timer.tail(enc["input_ids"].shape[0])
     tokens = _count_generated(gen, pad, eos)
     budget_steps = max(timer.count - 1, 0) if ours and "budget_optional_nodes_per_step" in stats else 0
     first = clock.first_token_time or t1

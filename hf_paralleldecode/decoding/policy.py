@@ -74,9 +74,11 @@ Lossless
 
 from __future__ import annotations
 
+import functools
 import time
 import weakref
 from dataclasses import dataclass
+from statistics import NormalDist
 
 import torch
 
@@ -156,10 +158,9 @@ def first_child_prefix(tree, verdict) -> torch.Tensor:
     return path_prefix(verdict, first.gather(1, verdict.path[:, :-1].clamp(min=0)))
 
 
+@functools.cache
 def _expected_max(n: int) -> float:
     """The expected largest of ``n`` standard normal draws (Blom's approximation; 0 for one)."""
-    from statistics import NormalDist
-
     return 0.0 if n < 2 else NormalDist().inv_cdf((n - 0.375) / (n + 0.25))
 
 
@@ -343,7 +344,7 @@ class BatchPolicy:
         self.remaining = remaining
         return self.choose(rows)
 
-    def tail_factor(self, bucket: int, rows: int, shape: int) -> float:
+    def tail_factor(self, bucket: int, rows: int, shape: int, full: float | None = None) -> float:
         """The share of ``shape``'s per-step rate left over a whole static batch: rows that accept more finish first,
         and the batch's last steps run with fewer rows at nearly a full step's cost (the bench's tail).
 
@@ -351,7 +352,8 @@ class BatchPolicy:
         steps for a typical row: the rows finish over ``n +- w`` steps, ``w = z * sigma * sqrt(n) / mu`` (``z``: the
         expected largest of ``rows`` standard normals), so the batch runs ``n - w`` full steps and ``2 w`` draining
         ones at the mean time of a step of 1 .. rows - 1 rows (each bucket's estimate, else this one's). The factor is ``n`` full
-        steps' time over that. 1.0 for the plain step (every row commits one token) and for one row."""
+        steps' time over that. 1.0 for the plain step (every row commits one token) and for one row. ``full``: the
+        shape's step time in ``bucket`` if the caller has it (:meth:`estimate`)."""
         s = self.shapes[shape]
         if s.plain or rows < 2 or not self.remaining or self.remaining <= 0:
             return 1.0
@@ -361,7 +363,7 @@ class BatchPolicy:
         sigma = max(self.squares[shape] / self.paired_rows - mu * mu, 0.0) ** 0.5
         n = self.remaining / mu
         w = min(_expected_max(rows) * sigma * n ** 0.5 / mu, n)
-        full = self.estimate(bucket, shape)
+        full = self.estimate(bucket, shape) if full is None else full
         if full is None:
             return 1.0
         # a draining batch passes through every row count below this one: the mean step time over 1 .. rows - 1,
@@ -383,14 +385,15 @@ class BatchPolicy:
         b = self.bucket(rows)
         allowed = self.allowed(rows)
         inherited = self.inherited(b)
+        # each allowed shape's step time and predicted rate, once per step (the measuring phase reads them too)
+        times = {i: self.estimate(b, i, inherited) for i in allowed}
+        rate = {i: self.relative_tokens(i) / t * self.tail_factor(b, rows, i, t) for i, t in times.items()
+                if t is not None}
         # (one shape: nothing to decide)
-        young = allowed[0] if len(allowed) == 1 else self._young(b, rows, allowed, inherited)
+        young = allowed[0] if len(allowed) == 1 else self._young(b, rows, allowed, inherited, rate)
         if young is not None:
             pick = young
         else:
-            times = {i: self.estimate(b, i, inherited) for i in allowed}
-            rate = {i: self.relative_tokens(i) / t * self.tail_factor(b, rows, i) for i, t in times.items()
-                    if t is not None}
             best = max(rate, key=rate.get)
             if self.plain in rate and rate[best] < self.threshold(b, rows, {self.plain: rate[self.plain]}):
                 best = self.plain  # a small predicted gain at a large batch: the plain step's cost is certain
@@ -422,7 +425,7 @@ class BatchPolicy:
         self._done = False
         return pick
 
-    def _young(self, b: int, rows: int, allowed: list[int], inherited: bool) -> int | None:
+    def _young(self, b: int, rows: int, allowed: list[int], inherited: bool, rate: dict) -> int | None:
         """The shape to measure next in bucket ``b``, or ``None`` when every shape worth measuring is measured.
 
         The configured tree comes first, once (its steps feed the paired counts, which do not depend on the batch
@@ -433,7 +436,8 @@ class BatchPolicy:
         left to measure chains that cannot catch up, and a tree that lost at batch 16 is not tried at batch 32.
 
         In a bucket a batch shrank into (``inherited``), nothing new is measured: a shape timed in the larger
-        bucket is known by that time (:meth:`estimate`), one that was not worth timing there is not timed here."""
+        bucket is known by that time (:meth:`estimate`), one that was not worth timing there is not timed here.
+        ``rate``: the predicted rates :meth:`choose` computed this step (every measured shape has one)."""
         def young(i):
             return not self.trusted(b, i) and not (inherited and self.estimate(b, i, True) is not None)
         paired = 0 in allowed
@@ -448,8 +452,7 @@ class BatchPolicy:
         measured = [i for i in allowed if not young(i)]
         if not measured:
             return rest[0] if rest else None
-        rates = {i: self.relative_tokens(i) / self.estimate(b, i, inherited) * self.tail_factor(b, rows, i)
-                 for i in measured}
+        rates = {i: rate[i] for i in measured}
         bar = self.threshold(b, rows, rates)
         optimistic = {i: self.optimistic(b, i) for i in rest}  # (each floor once)
         hopeful = [i for i in rest if optimistic[i] > bar]
