@@ -39,6 +39,9 @@ _LAZY = {
     "load_default_model": "loading",
     "load_tokenizer": "loading",
     "hardware_preset": "hardware",
+    "cost_twin": "twins",
+    "TwinShape": "twins",
+    "TWIN_SHAPES": "twins",
 }
 
 __all__ = [
@@ -52,8 +55,11 @@ __all__ = [
     "ParallelDecodingConfig",
     "ParallelDecodingMixin",
     "ParallelDecodingOutput",
+    "TWIN_SHAPES",
+    "TwinShape",
     "__version__",
     "available_decodings",
+    "cost_twin",
     "default_model_path",
     "enable",
     "export_draft_head",

@@ -93,6 +93,7 @@ def _load(args):
 
     from .bench import random_model
     from .loading import EMBEDDED_MODELS, default_model_path, load_model, load_tokenizer, resolve_model_path
+    from .twins import embedded_twin, twin_of
 
     dtype = getattr(torch, args.dtype)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -100,6 +101,11 @@ def _load(args):
         tokenizer = load_tokenizer(default_model_path())
         model = random_model(args.model, vocab_size=len(tokenizer))
         name = args.model
+    elif twin_of(args.model) is not None:  # a cost twin of an embedded model, built on first use
+        source, shape = twin_of(args.model)
+        model = embedded_twin(source, shape, dtype=dtype, device=device)
+        tokenizer = load_tokenizer(default_model_path(source))
+        name = f"{EMBEDDED_MODELS[source]} (embedded), {shape} cost twin"
     else:
         path = resolve_model_path(args.model)
         model = load_model(path)
@@ -122,7 +128,9 @@ def _load(args):
 def _add_model_args(p):
     p.add_argument("--model", default="default",
                    help="'default' (embedded demo model), 'default-trained' (the same after consistency training), "
-                        "a local checkpoint / Hub id, or random-1b / random-100m / random-tiny")
+                        "a cost twin of either at a real model's size (default-1b, default-trained-8b, ...: "
+                        "NAME-SHAPE with a shape of hf_paralleldecode.TWIN_SHAPES), a local checkpoint / Hub id, or "
+                        "random-1b / random-100m / random-tiny")
     p.add_argument("--prompts", default=None, nargs="+",
                    help="prompts file(s): .jsonl / .json / .parquet (the --prompt-column field) or .txt (blank-line "
                         "separated), several files are read in order; default: the shipped held-out prompts")

@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# The device checks of a session lent a GPU (see docs/benchmark.md, "GPU"): CUDA equivalence tests, the roofline of
-# the embedded model and a ~1B random model, and the batch-policy bench on both. One call; every section has its own
-# time limit and its results are packed into $OUT/results.tgz as soon as it ends (a cut call still returns them).
-# Set-up on this machine first (the device has no network and no room for the fp32 checkpoints):
-#   scripts/gpu_check.sh --prepare      # .gpu/: bf16 copies of the checkpoints (the fp32 files here are emptied)
-#   .whl/: transformers 5.24.0's wheel (README of the device tool), slimmed to the model folders the tests use with
-#   zip -d (the carried tree must stay under 64 MiB)
-# then call the device with carry [".whl", ".gpu"] and: bash scripts/gpu_check.sh
-# SMOKE=1 runs every section tiny on the CPU, to check the script itself.
+# The device checks of a session lent a GPU (docs/benchmark.md, "GPU"): cost twins of both embedded models built on
+# the device from the 8M weights (nothing large travels), their equivalence, the forward-cost curves, and the bench of
+# the defaults and the batch policy at the 1B and 8B shapes in bf16, beside stock (batched) generate and transformers'
+# prompt lookup. One call, sections in priority order; each has its own time limit and the results are packed into
+# $OUT/results.tgz as soon as it ends (a cut call still returns them). Unpack into docs/assets/gpu/.
+# Set-up on this machine first (the device has no network, and the carried tree must stay under 64 MiB):
+#   bash scripts/gpu_check.sh --prepare   # .gpu/: bf16 copies of the checkpoints (the fp32 files here are emptied);
+#                                         # .whl/: transformers' wheel, slimmed to the model folders used
+# then call the device with carry [".whl", ".gpu"] and: bash scripts/gpu_check.sh; afterwards restore the
+# checkpoints here with: git checkout -- hf_paralleldecode/assets
+# SMOKE=1 runs every section tiny on the CPU (at the 135m shape), to check the script itself.
 set -u
 ASSETS=hf_paralleldecode/assets
 BIG="stdlib-coder-8m/model.safetensors stdlib-coder-8m-jacobi-forcing/model.safetensors
@@ -25,7 +27,15 @@ for rel in sys.argv[1:]:
               ".gpu/" + rel.replace("/", "__"), metadata={"format": "pt", "dtypes": dtypes})
 PY
   for f in $BIG $STUBBED; do : > "$ASSETS/$f"; done
-  echo "prepared; restore with: git checkout -- $ASSETS"; exit 0
+  # transformers' wheel for the device (it has an older one), without the model folders nothing here imports
+  mkdir -p .whl && rm -f .whl/transformers-*.whl
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux2014_x86_64 -d .whl "transformers==${TRANSFORMERS_WHEEL:-5.24.0}" || exit 1
+  whl=$(ls .whl/transformers-*.whl)
+  keep="auto llama qwen2 qwen3 mistral gemma phi3 gpt_neox gpt2 bloom encoder_decoder __init__.py"
+  drop=$(unzip -Z1 "$whl" | grep '^transformers/models/' | cut -d/ -f3 | sort -u | grep -vxF -f <(tr ' ' '\n' <<< "$keep"))
+  zip -q -d "$whl" $(for m in $drop; do echo "transformers/models/$m/*"; done) || exit 1
+  echo "prepared (.gpu/, $(du -h "$whl" | cut -f1) $whl); restore with: git checkout -- $ASSETS"; exit 0
 fi
 OUT=${OUT:-/tmp/gpu_out}; RES=/tmp/gpu_res; mkdir -p "$OUT" "$RES"
 pack() { tar -czf "$OUT/results.tgz" -C "$RES" . ; }
@@ -50,46 +60,43 @@ PY
   [ -n "${RESTORE:-}" ] && exit 0
 fi
 if [ -z "${SMOKE:-}" ]; then
-  DEV="--device cuda"; NP1=16; NP2=32; TOK=64; REP=2; T=1
+  DEV="--device cuda"; T=1; S1=1b; S2=8b; NB1=8; NB=64; TOK=64; REP=2; MAXFED=4096
 else
-  export PYTHONPATH=$PWD; DEV="--device cpu --threads 2"; NP1=2; NP2=4; TOK=8; REP=1; T=0.2
+  export PYTHONPATH=$PWD; DEV="--device cpu --threads 2"; T=0.5; S1=135m; S2=135m; NB1=2; NB=4; TOK=8; REP=1; MAXFED=64
 fi
 CLI="python3 -c 'import sys; from hf_paralleldecode.cli import main; sys.exit(main())'"
+P=$ASSETS/prompts/stdlib_test_midfile.jsonl; P2="$P $ASSETS/prompts/stdlib_test.jsonl"
+# the shapes the batch policy chooses from, each run alone (the regret's reference)
+TREE="speculative:adaptive=false"
+C8="speculative:adaptive=false,tree_width=1,tree_depth=8,tree_budget=8,context_matches=0"
+C4="speculative:adaptive=false,tree_width=1,tree_depth=4,tree_budget=4,context_matches=0"
 { nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv 2>&1
   python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__, "cuda", torch.cuda.is_available())'
 } | tee "$RES/env.txt"
 sec() { local name=$1 limit=$2; shift 2
-        if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]]; then return; fi; echo "=== $name (limit ${limit}s) $(date +%T)"; 
-        timeout "$(python3 -c "print(int($limit*$T)+30)")" bash -c "$*" > "$RES/$name.log" 2>&1; echo "rc=$? $(date +%T)"
-        tail -n 25 "$RES/$name.log"; pack; }
-if [ -z "${SMOKE:-}" ]; then sec gpu_tests 90 "python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -rA"; fi
-sec roofline 60 "python3 scripts/gpu_roofline.py --model random-1b --dtype bfloat16 $DEV --output $RES/roofline_random-1b.json \
-  && python3 scripts/gpu_roofline.py --model default-trained --dtype float32 $DEV --output $RES/roofline_default-trained.json"
-bench_model() { local m=$1
-  sec "bench_${m}_b1" 60 "$CLI bench --model $m --dtype float32 $DEV --prompts $ASSETS/prompts/stdlib_test_midfile.jsonl \
-    --num-prompts $NP1 --max-new-tokens $TOK --repeats $REP --batch-sizes 1 --strategies speculative speculative:adaptive=false \
-    transformers_prompt_lookup --output-dir $RES/bench_$m/batch1"
-  sec "bench_${m}_b8_32" 70 "$CLI bench --model $m --dtype float32 $DEV --prompts $ASSETS/prompts/stdlib_test_midfile.jsonl \
-    --num-prompts $NP2 --max-new-tokens $TOK --repeats $REP --batch-sizes 8 32 --strategies speculative \
-    speculative:adaptive=false transformers_prompt_lookup --output-dir $RES/bench_$m"
-}
-bench_model default-trained
-# random-1b: ~17 ms a token at batch 1 on an H200, so fewer prompts at batch 1
-sec bench_random-1b_b1 90 "$CLI bench --model random-1b --dtype bfloat16 $DEV --prompts $ASSETS/prompts/stdlib_test_midfile.jsonl \
-  --num-prompts $((NP1 * 3 / 8)) --max-new-tokens $TOK --repeats $REP --batch-sizes 1 --strategies prompt_lookup \
-  prompt_lookup:adaptive=false transformers_prompt_lookup --output-dir $RES/bench_random-1b/batch1"
-sec bench_random-1b_b16 80 "$CLI bench --model random-1b --dtype bfloat16 $DEV --prompts $ASSETS/prompts/stdlib_test_midfile.jsonl \
-  --num-prompts $NP1 --max-new-tokens $TOK --repeats $REP --batch-sizes 16 --strategies prompt_lookup \
-  prompt_lookup:adaptive=false transformers_prompt_lookup --output-dir $RES/bench_random-1b/batch16"
-bench_model default
-sec bench_default-trained_b64 50 "$CLI bench --model default-trained --dtype float32 $DEV \
-  --prompts $ASSETS/prompts/stdlib_test_midfile.jsonl $ASSETS/prompts/stdlib_test.jsonl --num-prompts $((NP2 * 2)) \
-  --max-new-tokens $TOK --repeats $REP --batch-sizes 64 --strategies speculative speculative:adaptive=false \
-  transformers_prompt_lookup --output-dir $RES/bench_default-trained/batch64"
-for t in 0.8; do
-  sec "bench_default-trained_sample_t$t" 70 "$CLI bench --model default-trained --dtype float32 $DEV \
-    --prompts $ASSETS/prompts/stdlib_test_midfile.jsonl --num-prompts $NP1 --max-new-tokens $TOK --repeats $REP \
-    --batch-sizes 1 8 --do-sample --temperature $t --strategies speculative speculative:adaptive=false \
-    transformers_prompt_lookup --output-dir $RES/bench_default-trained_sample_t$t"
+        if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]]; then return; fi; echo "=== $name (limit ${limit}s) $(date +%T)"
+        timeout "$(python3 -c "print(int($limit*$T)+20)")" bash -c "$*" > "$RES/$name.log" 2>&1; echo "rc=$? $(date +%T)"
+        tail -n 12 "$RES/$name.log"; pack; }
+bench() { local name=$1 limit=$2 model=$3 n=$4; shift 4
+          sec "$name" "$limit" "$CLI bench --model $model --dtype bfloat16 $DEV --prompts $P2 --num-prompts $n \
+            --max-new-tokens $TOK --repeats $REP --output-dir $RES/$name $*"; }
+sec twin_check 40 "python3 scripts/twin_check.py --shapes $S1 --dtypes float32 bfloat16 $DEV --num-prompts 16 \
+  --max-new-tokens $TOK --output $RES/twin_check.json"
+sec roofline 70 "for m in default default-$S1 default-$S2; do python3 scripts/gpu_roofline.py --model \$m --dtype bfloat16 \
+  $DEV --max-fed $MAXFED --repeats 5 --output $RES/roofline_\$m.json || exit 1; done"
+for m in default-trained default; do
+  bench "b1_$m-$S1" 70 "$m-$S1" $NB1 --batch-sizes 1 --strategies speculative $TREE $C8 $C4 transformers_prompt_lookup
+done
+# batch 16 and 64 against stock batched generate (transformers' prompt lookup runs row by row at batch > 1: its
+# batch-1 rate above is its rate at any batch)
+for m in default-trained default; do
+  bench "b16_64_$m-$S1" 60 "$m-$S1" $NB --batch-sizes 16 64 --strategies speculative $TREE $C4
+done
+bench "b1_default-trained-$S2" 40 "default-trained-$S2" $((NB1 / 2)) --batch-sizes 1 --strategies speculative $C4 \
+  transformers_prompt_lookup
+bench "b16_default-trained-$S2" 35 "default-trained-$S2" $((NB / 4)) --batch-sizes 16 --strategies speculative $C4
+for t in 0.8 0.3; do
+  bench "sample_t${t}_default-trained-$S1" 35 "default-trained-$S1" $NB1 --batch-sizes 1 --do-sample --temperature $t \
+    --strategies speculative transformers_prompt_lookup
 done
 echo "done $(date +%T)"

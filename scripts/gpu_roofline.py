@@ -55,8 +55,10 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--device", default=None)
     p.add_argument("--context", type=int, default=128)
-    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64])
-    p.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 64])
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    p.add_argument("--max-fed", type=int, default=None,
+                   help="skip points feeding more than this many tokens (batch x tokens per row): CPU budgets")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--output", required=True)
@@ -65,8 +67,10 @@ def main() -> None:
     device = next(model.parameters()).device
     rows = []
     for b in args.batch_sizes:
-        curve = forward_cost(model, context=args.context, repeats=args.repeats, tokens=tuple(args.tokens), batch=b,
-                             warmups=2)
+        tokens = tuple(k for k in args.tokens if args.max_fed is None or b * k <= args.max_fed)
+        if not tokens:
+            continue
+        curve = forward_cost(model, context=args.context, repeats=args.repeats, tokens=tokens, batch=b, warmups=2)
         for k, seconds in curve.points:
             rows.append(dict(batch=b, tokens_per_row=k, tokens=b * k, ms=1e3 * seconds))
             print(f"{name:>30} b={b:<3} k={k:<3} tokens={b * k:<5} {1e3 * seconds:8.2f} ms", flush=True)
