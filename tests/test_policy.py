@@ -688,3 +688,36 @@ def test_the_policy_gets_the_rows_remaining_tokens_and_keeps_the_spread_across_c
     again = BatchPolicy(list(next(iter(policy_module._MEMORY[model]))[3]),
                         memory=(model, next(iter(policy_module._MEMORY[model]))))
     assert again.squares == stored["squares"] and again.paired_rows == stored["paired_rows"]
+
+
+def test_a_drafter_shared_by_two_models_does_not_carry_one_models_times_to_the_other():
+    """The policy's measurements (step times, paired token counts) belong to one target: a drafter attached to a model
+    and to its cost twin (same device and dtype, another cost curve) starts afresh on the twin, and each model's next
+    call starts from its own last call."""
+    from hf_paralleldecode.twins import cost_twin
+
+    model = enabled("llama")
+    twin = cost_twin(model, dict(hidden_size=96, intermediate_size=200, num_hidden_layers=4, q_width=96, kv_width=48))
+    drafter = hfpd.DiffusionDrafter.for_target(model, num_hidden_layers=1, block_size=4)
+    ids, mask = prompts(2)
+    policy_module._MEMORY.pop(drafter, None)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=10, decoding="speculative", drafter=drafter)
+    model.generate(**kwargs)
+    first = dict(policy_module._MEMORY[drafter])
+    assert len(first) == 1
+    seen = []
+    real = BatchPolicy.__init__
+
+    def spy(self, shapes, *args, **kw):
+        real(self, shapes, *args, **kw)
+        seen.append(dict(self.times))
+
+    import unittest.mock
+
+    with unittest.mock.patch.object(BatchPolicy, "__init__", spy):
+        twin.generate(**kwargs)
+    assert seen and seen[0] == {}  # nothing of the source model's times
+    assert len(policy_module._MEMORY[drafter]) == 2  # one entry per target
+    with unittest.mock.patch.object(BatchPolicy, "__init__", spy):
+        model.generate(**kwargs)
+    assert seen[-1]  # the source model's own times come back

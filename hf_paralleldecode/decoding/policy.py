@@ -82,7 +82,8 @@ from statistics import NormalDist
 
 import torch
 
-__all__ = ["Shape", "BatchPolicy", "shapes_from", "first_child_prefix", "path_prefix", "PLAIN", "CHAIN_DEPTHS"]
+__all__ = ["Shape", "BatchPolicy", "shapes_from", "first_child_prefix", "path_prefix", "PLAIN", "CHAIN_DEPTHS",
+           "target_key"]
 
 #: the depths of the chains every strategy offers besides its configured tree (cut to the configured depth)
 CHAIN_DEPTHS = (8, 4, 2)
@@ -567,13 +568,26 @@ def batch_policy(run, shapes: list[Shape], owner, adaptive: bool, max_step_token
     """The :class:`BatchPolicy` of a call: ``shapes`` when ``adaptive``, else the configured one only; ``nodes``: a
     :class:`~.budget.CostAwareBudget` that cuts each row's tree node by node (``cost_aware=True``). ``None`` when
     there is nothing to decide. Its measurements carry over per ``owner`` (a drafter, or the model), strategy,
-    device, dtype, shapes and acceptance rule (:func:`acceptance_rule`)."""
+    device, dtype, shapes, acceptance rule (:func:`acceptance_rule`) and target model (:func:`target_key`: a drafter
+    shared by two models, a model and its cost twin say, learns each one's cost curve and acceptance apart)."""
     if not adaptive and nodes is None:
         return None
     shapes = list(shapes) if adaptive else list(shapes[:1])
     key = (run.name, str(run.rows.device), str(run.model.dtype), tuple(shapes),
-           acceptance_rule(run.generation_config, run.logits_processor))
+           acceptance_rule(run.generation_config, run.logits_processor), target_key(run.model))
     return BatchPolicy(shapes, memory=(owner, key), max_step_tokens=max_step_tokens, nodes=nodes)
+
+
+def target_key(model) -> str:
+    """A token naming one target model instance for the measurements it owns (kept on the instance: an ``id`` could
+    be reused by a later model)."""
+    token = model.__dict__.get("_hfpd_target_key")
+    if token is None:
+        import uuid
+
+        token = uuid.uuid4().hex
+        object.__setattr__(model, "_hfpd_target_key", token)
+    return token
 
 
 def acceptance_rule(generation_config, logits_processor) -> tuple:

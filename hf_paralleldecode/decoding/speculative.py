@@ -52,7 +52,7 @@ from ..hardware import preset_settings
 from .base import Proposer, check_int_setting, checks_settings, decode
 from .budget import CostAwareBudget
 from .draft_tree import TreeBuilder
-from .policy import batch_policy, check_policy_settings, shapes_from
+from .policy import batch_policy, check_policy_settings, shapes_from, target_key
 from .processors import prefix_independent, process_prefixes
 from .prompt_lookup import CONTEXT, GUESSES, ContextNgrams, check_context_settings
 from .target import HiddenStateTaps
@@ -125,9 +125,9 @@ class DraftProposer(Proposer):
                         if context_matches else None)
         nodes = None
         if cost_aware:
-            # the drafter's calibration carries over from its last call (a drafter serves one target)
+            # the drafter's calibration carries over from its last call on the same target
             nodes = CostAwareBudget(run.model, num_sources=CONTEXT + 1, device=run.rows.device,
-                                    memory=(drafter, "speculative"))
+                                    memory=(drafter, ("speculative", target_key(run.model))))
             for bucket, mean in enumerate(() if nodes.carried else self.Q_PRIOR):
                 nodes.acceptance.set_prior(nodes.key(GUESSES, bucket), mean)
         self.context_steps = 0  # steps whose tree held context nodes
