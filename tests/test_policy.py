@@ -721,3 +721,35 @@ def test_a_drafter_shared_by_two_models_does_not_carry_one_models_times_to_the_o
     with unittest.mock.patch.object(BatchPolicy, "__init__", spy):
         model.generate(**kwargs)
     assert seen[-1]  # the source model's own times come back
+
+
+def test_a_tree_whose_floor_wins_decisively_is_revisited_at_its_gaps_without_budget():
+    """At a real model's cost a batch-1 tree step costs about a plain step and commits 7 tokens. Step times inflated
+    by another process (the tree's window measured during a burst) must not lock it out until a 1% budget refills:
+    a tree whose fastest step here would win by 2x is revisited at its gaps."""
+    policy = BatchPolicy(shapes_from(4, 16, 20, True), explore_every=4)
+    b = BatchPolicy.bucket(1)
+    _measured(policy, b, seconds=[2.0, 0.30, 0.28, 0.26, 0.21], relative=[0.6, 0.4, 0.25, 1 / 7])
+    policy.since_tree, policy.budget = 3, -5.0  # a costly revisit left the budget deep in debt
+    assert policy.choose(1) != 0  # the tree never ran fast here: the budget rule
+    policy.since_tree = 3
+    policy.best_seen[(b, 0)] = 0.20  # before the burst its steps took 0.2 s: 1 / 0.2 is 2.5x 0.6 / 0.3
+    assert policy.choose(1) != 0  # inside the gap: the best measured shape
+    policy.since_tree = 4
+    assert policy.choose(1) == 0  # the gap passed: revisited although the budget covers nothing
+    assert policy.gap == 8  # and the gap doubles, as for any revisit
+
+
+def test_a_step_much_faster_than_its_shapes_estimate_replaces_the_stale_window():
+    """A shape's window measured while another process ran is stale once a step of it runs much faster: its time is
+    then that step's, not the mean of the burst's (which would keep it locked out)."""
+    policy = BatchPolicy(shapes_from(4, 16, 20, True))
+    b = BatchPolicy.bucket(1)
+    policy.times[(b, 0)] = [1.0] * 8
+    policy._pending, policy._done, policy._drafted = (0, b, time.perf_counter() - 0.2), True, True
+    policy.close()
+    assert policy.seconds(b, 0) == pytest.approx(0.2, abs=0.05)
+    policy.times[(b, 0)] = [0.20] * 4  # a step a little slower than the estimate joins the window as before
+    policy._pending, policy._done = (0, b, time.perf_counter() - 0.25), True
+    policy.close()
+    assert len(policy.times[(b, 0)]) == 5

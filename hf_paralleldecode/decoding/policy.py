@@ -47,7 +47,9 @@ The rule
       three steps in the bucket (its time may still hold a warm-up step) the gaps alone decide, if its floor leaves it
       a chance. A tree that
       loses a little is revisited every few dozen steps, one that loses a step's worth of time at a large batch
-      rarely. The gap, the budget and the steps since the last visit carry over to the next call, like the
+      rarely. A tree that would win by ``decisive`` (2x) at the fastest step it ever took in the bucket is revisited
+      at its gaps whatever the budget, and a step much faster than a shape's estimate (``stale``: 1.5x) replaces its
+      window: times measured while another process ran do not lock a shape out. The gap, the budget and the steps since the last visit carry over to the next call, like the
       measurements: a server's short requests do not each pay for a revisit.
 
     The tail. ``generate``'s batch is static: rows that accept more finish first, and the batch runs its last steps
@@ -193,6 +195,15 @@ class BatchPolicy:
     #: empty, a cost no per-step rate sees
     margin_rows = 8
     margin = 0.15
+    #: a losing configured tree that would win by this factor at the fastest step time it ever took in the bucket
+    #: (:meth:`fastest`) is revisited at its gaps without the budget: its own steps showed it can win by that much,
+    #: so what keeps it out is a time measured under worse conditions (another process's burst). At a real model's
+    #: cost a batch-1 tree step costs about a plain step and commits several tokens: such a burst must not lock it
+    #: out until a 1% budget refills
+    decisive = 2.0
+    #: a step this many times faster than its shape's estimate replaces the shape's window in its bucket: the
+    #: window was measured under conditions that have passed (another process's burst, a warm-up)
+    stale = 1.5
 
     def __init__(self, shapes: list[Shape], explore_every: int = 16, memory: tuple | None = None,
                  max_step_tokens: int | None = None, nodes=None):
@@ -220,6 +231,7 @@ class BatchPolicy:
         self.remaining = None  # the active rows' mean remaining new tokens (start_step)
         self.own = [list(v) for v in known["own"]] if known else [[0.0, 0.0] for _ in range(n)]
         self.times = {k: list(v) for k, v in known["times"].items()} if known else {}
+        self.best_seen = dict(known.get("best_seen", {})) if known else {}  # per (bucket, shape): its fastest step
         # revisits of a losing configured tree: steps since its last visit, the gap to the next one (doubles while
         # it keeps losing) and the exploration budget in seconds (see choose); carried over like the measurements
         self.since_tree, self.gap, self.budget = known["revisits"] if known else (0, explore_every, 0.0)
@@ -255,6 +267,11 @@ class BatchPolicy:
             return None
         kept = sorted(samples)[:-1] if len(samples) >= 3 else samples
         return sum(kept) / len(kept)
+
+    def fastest(self, bucket: int, shape: int) -> float:
+        """The fastest step ``shape`` ever took in ``bucket`` (its window's included; infinite: none)."""
+        samples = self.times.get((bucket, shape), ())
+        return min([self.best_seen.get((bucket, shape), float("inf")), *samples])
 
     def trusted(self, bucket: int, shape: int) -> bool:
         """Whether ``shape`` has run :attr:`min_samples` steps in ``bucket``."""
@@ -409,6 +426,9 @@ class BatchPolicy:
                 others = {i: r for i, r in rate.items() if i != 0}
                 if len(self.times.get((b, 0), ())) < 3 and self.hopeful(b, rows, 0, others):
                     revisit = True
+                elif self.relative_tokens(0) / self.fastest(b, 0) * self.tail_factor(b, rows, 0, self.fastest(b, 0)) \
+                        >= self.decisive * self.threshold(b, rows, others):
+                    revisit = True  # it has been fast enough to win decisively here: re-measure it at its gaps
                 else:
                     loss = times[0] * (1.0 - rate[0] / rate[best])
                     revisit = self.budget >= loss
@@ -517,7 +537,10 @@ class BatchPolicy:
         self._drafted = self._drafted or drafts
         if not (setup and self.trusted(b, pick)):
             t = self.times.setdefault((b, pick), [])
+            if self.trusted(b, pick) and seconds * self.stale < self.seconds(b, pick):
+                t.clear()  # the window's steps ran under conditions that have passed
             t.append(seconds)
+            self.best_seen[(b, pick)] = min(self.best_seen.get((b, pick), seconds), seconds)
             del t[: -self.window]
         if pick != 0:  # the exploration budget grows with the time spent away from the configured tree
             self.budget += self.explore_share * seconds
@@ -539,6 +562,7 @@ class BatchPolicy:
             owner, key = self.memory
             _MEMORY.setdefault(owner, {})[key] = {"tokens": list(self.tokens), "own": [list(o) for o in self.own],
                                                   "times": {k: list(v) for k, v in self.times.items()},
+                                                  "best_seen": dict(self.best_seen),
                                                   "squares": list(self.squares), "paired_rows": self.paired_rows,
                                                   "revisits": (self.since_tree, self.gap, self.budget)}
 
