@@ -33,6 +33,8 @@ from __future__ import annotations
 import inspect
 import logging
 
+import torch
+
 from .decoding.support import call_conflict
 from .registry import get_decoding
 
@@ -84,7 +86,9 @@ class ParallelDecodingMixin:
         inputs = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
         attached = attached_drafter(self)
         drafter = next((d for d in (kwargs.get("drafter"), defaults.get("drafter"), attached) if d is not None), None)
-        conflict = call_conflict(self, strategy, kwargs, getattr(inputs, "shape", (None, None))[-1], drafter)
+        # without a prompt, generate starts every row from one BOS token
+        length = inputs.shape[-1] if isinstance(inputs, torch.Tensor) else 1
+        conflict = call_conflict(self, strategy, kwargs, length, drafter)
         if conflict is not None:
             if explicit:
                 raise ValueError(f"decoding={decoding!r} {conflict}")
