@@ -177,8 +177,16 @@ def enable(model):
     """Return ``model`` (same object) whose ``generate`` also accepts ``decoding="<name>"``."""
     if is_enabled(model):
         return model
-    if not hasattr(model, "generate"):
-        raise ValueError(f"{type(model).__name__} has no generate(); pass a transformers causal LM.")
+    if isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):  # what torch.compile(model) returns
+        raise ValueError(
+            f"enable() got a torch.compile wrapper ({type(model).__name__}) of a {type(model._orig_mod).__name__}: its "
+            "generate() is the wrapped model's, which runs the uncompiled forward, and decoding= cannot be added to the "
+            "wrapper. Enable the model itself (hf_paralleldecode.enable(compiled._orig_mod), or enable before "
+            "compiling); to run a compiled forward under decoding=, compile the forward of the enabled model: "
+            "model.forward = torch.compile(model.forward) (docs/troubleshooting.md).")
+    if not callable(getattr(type(model), "generate", None)):
+        raise ValueError(f"{type(model).__name__} has no generate() of its own; pass a transformers causal LM (not a "
+                         "wrapper around one).")
     cls = type(model)
     new_cls = _CLASS_CACHE.get(cls)
     if new_cls is None:
