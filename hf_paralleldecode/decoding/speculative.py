@@ -97,8 +97,7 @@ def _check_settings(model, drafter, tree_budget, tree_width, tree_depth, tree_wa
             'alias> (hf_paralleldecode.load_drafter(...), DraftHead.for_target(model), "default-deer"), or load a '
             "bundle with hfpd.load_model(dir) that names one."
         )
-    drafter = load_drafter(drafter)
-    drafter.check_target(model)
+    drafter = load_drafter(drafter).bind(model)  # checked against the model; its taps may depend on it
     _check_tree(tree_budget, tree_width, tree_depth, tree_waves, denoise_steps=denoise_steps)
     depth = drafter.default_depth if tree_depth is None else tree_depth
     drafter.check_settings(depth, tree_waves, denoise_steps)

@@ -190,7 +190,7 @@ def _eagle3_config(drafter, format: str, verifier) -> dict:
         layer = _layer_config(c, drafter.dtype, "llama", ("LlamaForCausalLMEagle3",))
         layer.update(draft_vocab_size=c.draft_vocab_size, target_hidden_size=c.target_hidden_size,
                      norm_before_residual=c.norm_before_residual,
-                     eagle_config={"eagle_aux_hidden_state_layer_ids": list(c.target_layer_ids),
+                     eagle_config={"eagle_aux_hidden_state_layer_ids": drafter.tap_layers,
                                    "use_aux_hidden_state": True}, **facts)
         return layer
     layer = _layer_config(c, drafter.dtype, c.layer_type, ("LlamaForCausalLM" if c.layer_type == "llama"
@@ -199,7 +199,7 @@ def _eagle3_config(drafter, format: str, verifier) -> dict:
         "architectures": ["Eagle3DraftModel"], "speculators_model_type": "eagle3", "speculators_version": "0.9.0",
         "transformer_layer_config": layer, "draft_vocab_size": c.draft_vocab_size,
         "target_hidden_size": c.target_hidden_size,
-        "eagle_aux_hidden_state_layer_ids": [i + 1 for i in c.target_layer_ids],
+        "eagle_aux_hidden_state_layer_ids": [i + 1 for i in drafter.tap_layers],
         "norm_before_residual": c.norm_before_residual, "norm_before_fc": c.norm_before_fc, "fc_norm": c.fc_norm,
         "norm_output": c.norm_output, "embed_requires_grad": False, "tie_word_embeddings": False,
         "dtype": layer["dtype"],
