@@ -107,14 +107,14 @@ def _load(args):
         name = f"{EMBEDDED_MODELS[args.model]} (embedded)" if args.model in EMBEDDED_MODELS else str(args.model)
     model = model.to(device=device, dtype=dtype).eval()
     if getattr(args, "drafter", None):
-        from .drafters.loading import load_drafter
+        from .drafters.loading import own_drafter
         from .integration import attach_drafter
 
         try:
-            head = load_drafter(args.drafter)
+            head = own_drafter(args.drafter, model)
         except Exception as err:  # noqa: BLE001 - any loading failure is a bad --drafter, reported with its cause
             raise ValueError(f"Could not load a drafter from --drafter {args.drafter!r}: {err}") from err
-        attach_drafter(model, head.to(device=device, dtype=dtype).eval())
+        attach_drafter(model, head.eval())
         name += f" + {args.drafter}"
     return model, tokenizer, name
 
