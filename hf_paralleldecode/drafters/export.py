@@ -156,19 +156,18 @@ def _write(directory: Path, config: dict, tensors: dict) -> Path:
     return directory
 
 
-def export_drafter(drafter, directory, format: str = "speculators", verifier=None, **kwargs) -> Path:
+def export_drafter(drafter, directory, format: str = "speculators", verifier=None, *,
+                   verifier_name_or_path=None) -> Path:
     """Write ``drafter`` (a :class:`~hf_paralleldecode.DraftHead` or an EAGLE-3 drafter) in ``format`` to
     ``directory``; return the directory. Heads: :data:`EXPORT_FORMATS`; EAGLE-3: :data:`EAGLE3_EXPORT_FORMATS`.
 
-    ``verifier``: the target (model, folder or Hub repo id) a ``speculators`` export names; default: the
-    drafter's ``target_name_or_path`` (refused when it does not load).
+    ``verifier`` (or ``verifier_name_or_path``, speculators' name for it): the target (model, folder or Hub repo
+    id) a ``speculators`` export names; default: the drafter's ``target_name_or_path`` (refused when it does not
+    load).
     """
     from .eagle3 import Eagle3Drafter
 
-    if "verifier_name_or_path" in kwargs:
-        verifier = kwargs.pop("verifier_name_or_path") if verifier is None else verifier
-    if kwargs:
-        raise ValueError(f"export_drafter got unknown arguments {sorted(kwargs)}.")
+    verifier = _one_verifier("export_drafter", verifier, verifier_name_or_path)
     directory = Path(directory)
     if isinstance(drafter, Eagle3Drafter):
         if format not in EAGLE3_EXPORT_FORMATS:
@@ -221,15 +220,20 @@ def _eagle3_weights(drafter, format: str) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def export_draft_head(head, directory, format: str = "transformers", verifier=None, **kwargs) -> Path:
+def _one_verifier(caller: str, verifier, verifier_name_or_path):
+    if verifier is not None and verifier_name_or_path is not None:
+        raise TypeError(f"{caller}() got both verifier= and verifier_name_or_path= (two names of one argument); pass "
+                        "one of them.")
+    return verifier if verifier is not None else verifier_name_or_path
+
+
+def export_draft_head(head, directory, format: str = "transformers", verifier=None, *,
+                      verifier_name_or_path=None) -> Path:
     """Write a draft ``head`` in ``format`` (one of :data:`EXPORT_FORMATS`) to ``directory``; return the directory.
 
-    ``verifier``: see :func:`export_drafter` (``speculators`` only).
+    ``verifier`` / ``verifier_name_or_path``: see :func:`export_drafter` (``speculators`` only).
     """
-    if "verifier_name_or_path" in kwargs:
-        verifier = kwargs.pop("verifier_name_or_path") if verifier is None else verifier
-    if kwargs:
-        raise ValueError(f"export_draft_head got unknown arguments {sorted(kwargs)}.")
+    verifier = _one_verifier("export_draft_head", verifier, verifier_name_or_path)
     if format not in EXPORT_FORMATS:
         raise ValueError(f"Unknown export format {format!r}; choose one of {EXPORT_FORMATS}.")
     c = head.config
