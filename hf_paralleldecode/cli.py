@@ -238,8 +238,11 @@ def _tune(args) -> int:
     save_to = None
     if args.save:
         save_to = args.save_to or args.model
-        if not Path(save_to).is_dir():
-            raise ValueError(f"--save writes next to a local model folder; {save_to!r} is not one. Pass --save-to DIR.")
+        if args.save_to is not None and Path(save_to).exists() and not Path(save_to).is_dir():
+            raise ValueError(f"--save-to {save_to!r} is a file; pass a folder (a new one is created).")
+        if args.save_to is None and not Path(save_to).is_dir():
+            raise ValueError(f"--save writes next to a local model folder; {save_to!r} is not one. Pass --save-to DIR "
+                             "(a new folder is created).")
     model, tokenizer, name = _load(args)
     report = tune(model, tokenizer, prompts, args.decoding, grid, max_new_tokens=args.max_new_tokens,
                   batch_size=args.batch_size, repeats=args.repeats, latency_budget_ms=args.latency_budget_ms,
@@ -484,7 +487,8 @@ def _main(argv=None) -> int:
                         help="only settings whose time per step (ms) fits this budget")
     p_tune.add_argument("--save", action="store_true",
                         help="write the choice as parallel_decoding_config.json next to the model (a local folder)")
-    p_tune.add_argument("--save-to", default=None, help="folder for --save (default: the --model folder)")
+    p_tune.add_argument("--save-to", default=None,
+                        help="folder for --save, created when missing (default: the --model folder)")
     p_tune.add_argument("--output-dir", default="tune_out")
     p_tune.set_defaults(func=_tune, max_new_tokens=64)
 

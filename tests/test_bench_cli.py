@@ -223,6 +223,21 @@ def test_cli_tune_prints_the_knee_and_the_choice(tmp_path, capsys):
     assert exc.value.code == 2 and "--save-to" in capsys.readouterr().err
 
 
+def test_cli_tune_save_to_a_new_folder_creates_it(tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "def f(x):\\n    return"}\n')
+    target = tmp_path / "new" / "configs"
+    code = cli.main(["tune", "--model", "random-tiny", "--prompts", str(prompts), "--max-new-tokens", "4",
+                     "--grid", "block_size=2", "--save", "--save-to", str(target), "--output-dir", str(tmp_path / "o")])
+    assert code == 0 and str(target) in capsys.readouterr().out
+    assert json.loads((target / "parallel_decoding_config.json").read_text())["decoding"] == "jacobi_forcing"
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(SystemExit) as exc:  # a path that is a file is refused before the model loads
+        cli.main(["tune", "--model", "random-tiny", "--prompts", str(prompts), "--save", "--save-to",
+                  str(tmp_path / "file"), "--grid", "block_size=2"])
+    assert exc.value.code == 2 and "is a file" in capsys.readouterr().err
+
+
 def test_sampled_runs_report_speed_against_stock_sampling_with_the_same_seed(tmp_path):
     """--do-sample: stock sampling is the baseline, each batch's runs start from one seed (AR twice gives the same
     text), exactness is n/a (compared in distribution by the sampling tests), the settings are in the report."""
