@@ -236,7 +236,7 @@ def _tune(args) -> int:
     grid = _parse_grid(args.decoding, args.grid)
     prompts = _prompts(args, 8)  # bad input fails before the model loads
     save_to = None
-    if args.save:
+    if args.save or args.save_to is not None:  # --save-to implies --save
         save_to = args.save_to or args.model
         if args.save_to is not None and Path(save_to).exists() and not Path(save_to).is_dir():
             raise ValueError(f"--save-to {save_to!r} is a file; pass a folder (a new one is created).")
@@ -488,7 +488,7 @@ def _main(argv=None) -> int:
     p_tune.add_argument("--save", action="store_true",
                         help="write the choice as parallel_decoding_config.json next to the model (a local folder)")
     p_tune.add_argument("--save-to", default=None,
-                        help="folder for --save, created when missing (default: the --model folder)")
+                        help="folder for --save (implies it), created when missing (default: the --model folder)")
     p_tune.add_argument("--output-dir", default="tune_out")
     p_tune.set_defaults(func=_tune, max_new_tokens=64)
 
