@@ -20,8 +20,8 @@ What is here
     * The ``custom_generate`` contract: the arguments ``generate`` hands a callable
       (:data:`SAMPLE_ARGUMENTS`), the decoder-only output class, generation modes, the generation
       config's prepared special-token tensors, stopping criteria, logits processors, the
-      distributed checks ``generate`` makes, the ``max_length`` it resolves for a call, and the streamer of the
-      enclosing ``generate`` call.
+      distributed checks ``generate`` makes, the ``max_length`` it resolves for a call, the model inputs it
+      accepts, and the streamer of the enclosing ``generate`` call.
     * Models: the attention implementation in use, transformers' DFlash drafter classes, a base
       class for the library's own ``PreTrainedModel`` subclasses, and the ``Trainer`` hooks.
     * :data:`INTERNALS`: every internal name this module relies on, checked by
@@ -55,7 +55,7 @@ __all__ = [
     "cache_kwargs", "forward_cache_key", "user_cache", "output_cache", "Cache", "DynamicCache", "DynamicLayer",
     "CACHE_NAMES", "GenerationMode", "GenerateDecoderOnlyOutput", "SAMPLE_ARGUMENTS", "logits_process", "EosTokenCriteria",
     "MaxLengthCriteria", "pad_token_tensor", "eos_token_tensor", "distributed_world_size", "sharded_across_processes",
-    "enclosing_generate_streamer", "generated_max_length", "attn_implementation", "default_cache", "is_sliding_window_layer", "has_recurrent_state", "length_dependent_rope", "set_body_attn_implementation", "dflash_classes",
+    "enclosing_generate_streamer", "generated_max_length", "generate_model_inputs", "attn_implementation", "default_cache", "is_sliding_window_layer", "has_recurrent_state", "length_dependent_rope", "set_body_attn_implementation", "dflash_classes",
     "HeadPreTrainedModel", "TrainerHooks", "GENERATION_CONFIG_BOOKKEEPING", "INTERNALS", "RUNTIME_INTERNALS",
 ]
 
@@ -192,6 +192,18 @@ def generated_max_length(model, generation_config, input_length: int) -> int:
     length = int(input_length) + int(type(generation_config)._get_default_generation_params()["max_length"])
     positions = getattr(model.config, "max_position_embeddings", None)
     return min(length, int(positions)) if positions is not None else length
+
+
+def generate_model_inputs(model) -> frozenset[str]:
+    """The keyword names stock ``generate`` accepts as model inputs of ``model`` (others it refuses as unused or typos:
+    ``GenerationMixin._validate_model_kwargs``): ``prepare_inputs_for_generation``'s parameters, ``forward``'s when
+    the former takes ``**kwargs``, and the model-agnostic ``TransformersKwargs``."""
+    from transformers.utils import TransformersKwargs
+
+    names = set(inspect.signature(model.prepare_inputs_for_generation).parameters)
+    if "kwargs" in names or "model_kwargs" in names:
+        names |= set(inspect.signature(model.forward).parameters)
+    return frozenset(names | set(TransformersKwargs.__optional_keys__))
 
 
 def attn_implementation(config) -> str | None:
@@ -337,6 +349,8 @@ INTERNALS: tuple[tuple[str, str], ...] = (
     ("transformers.generation.configuration_utils", "GenerationMode"),
     ("transformers.generation.configuration_utils.GenerationConfig", "_get_default_generation_params"),
     ("transformers.generation.utils.GenerationMixin", "_prepare_generated_length"),
+    ("transformers.generation.utils.GenerationMixin", "_validate_model_kwargs"),
+    ("transformers.utils", "TransformersKwargs"),
     ("transformers.generation.stopping_criteria", "EosTokenCriteria"),
     ("transformers.generation.stopping_criteria", "MaxLengthCriteria"),
     ("transformers.cache_utils", "Cache"),

@@ -36,6 +36,7 @@ from ..compat import (
     GenerationMode,
     attn_implementation,
     default_cache,
+    generate_model_inputs,
     generated_max_length,
     has_recurrent_state,
     length_dependent_rope,
@@ -183,16 +184,13 @@ def model_inputs_conflict(model_inputs: dict, model=None, decoding=None) -> str 
 
 def _unknown_settings(keys: list[str], model, settings: list[str]) -> str | None:
     """Keys that look like settings rather than model inputs: a setting of another decoding, a near miss of one
-    of this decoding's ``settings``, or a name ``model.forward`` cannot take at all."""
+    of this decoding's ``settings``, or a name stock ``generate`` would not take as an input of ``model``."""
     from ..registry import available_decodings, decoding_settings, unknown_settings_hint
 
-    params = inspect.signature(model.forward).parameters.values()
-    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
-    names = {p.name for p in params}
+    inputs = generate_model_inputs(model)
     others = {d: decoding_settings(d) for d in available_decodings()}
     elsewhere = {k: [d for d, ds in others.items() if k in ds] for k in keys}
-    unknown = [k for k in keys if elsewhere[k] or unknown_settings_hint([k], settings)
-               or not (takes_any or k in names)]
+    unknown = [k for k in keys if elsewhere[k] or unknown_settings_hint([k], settings) or k not in inputs]
     if not unknown:
         return None
     hint = unknown_settings_hint(unknown, settings)
@@ -200,7 +198,7 @@ def _unknown_settings(keys: list[str], model, settings: list[str]) -> str | None
                       if ds and k in unknown)
     listed = f" Its settings: {', '.join(settings)}." if settings else ""
     return (f"got unknown setting(s) {unknown}{hint}: not settings of this decoding"
-            f"{' (' + where + ')' if where else ''}, and not inputs of {type(model).__name__}.forward.{listed}")
+            f"{' (' + where + ')' if where else ''}, and not inputs of {type(model).__name__}.{listed}")
 
 
 def distributed_conflict(model, synced_gpus) -> str | None:
