@@ -17,7 +17,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 say() { echo "[speculators-check] $*" >&2; }
-imports_checkout() { "$1" -c "import hf_paralleldecode" >/dev/null 2>&1; }  # run here: imports this checkout
+# run here, so it imports this checkout (whose import is cheap: its dependencies are imported by name)
+imports_checkout() { "$1" -c "import torch, transformers, safetensors, hf_paralleldecode.drafters" >/dev/null 2>&1; }
 
 if [ -n "${PYTHON:-}" ]; then
   PY=$PYTHON
