@@ -64,7 +64,8 @@ def test_transformers_export_runs_in_stock_dflash_generation_with_the_same_draft
 
     monkeypatch.setattr(spec_module.DraftProposer, "propose", record_ours)
     out = target.generate(input_ids=ids, max_new_tokens=24, do_sample=False, decoding="speculative", drafter=head,
-                          tree_width=1, tree_budget=4, drafter_dtype="target")  # fp32, as the exported drafter
+                          tree_width=1, tree_budget=4, drafter_dtype="target",  # fp32, as the exported drafter
+                          adaptive=False)  # a chain every step, as stock DFlash: the drafts are compared step by step
     assert torch.equal(out, ref)
     n = min(len(theirs), len(ours))
     assert n >= 3 and len({tuple(d) for d in ours}) > 1, "drafts must vary for the comparison to mean something"

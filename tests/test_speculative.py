@@ -160,7 +160,8 @@ def test_cost_aware_trees_match_stock_greedy_and_a_steep_cost_feeds_fewer_nodes(
         linear_cost(monkeypatch, per_token)
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False,
                              decoding="speculative", drafter=drafter, tree_budget=12, tree_width=3,
-                             context_matches=2, context_tokens=4, cost_aware=True, return_dict_in_generate=True)
+                             context_matches=2, context_tokens=4, cost_aware=True, adaptive=False,  # compared counts
+                             return_dict_in_generate=True)
         torch.testing.assert_close(out.sequences, ref, rtol=0, atol=0)
         assert out.stats["cost_aware"] is True
         chosen[per_token] = out.stats["budget_optional_nodes_per_step"]
