@@ -130,6 +130,14 @@ def parse_strategy(text: str) -> StrategySpec:
         if not eq:
             raise ValueError(f"Bad strategy setting {item!r} in {text!r}: write key=value.")
         settings[key.strip()] = _parse_value(value.strip())
+    if name not in STOCK_PEERS:  # a peer's settings are transformers' generate arguments
+        from .registry import decoding_settings, unknown_settings_hint
+
+        known = decoding_settings(name)
+        unknown = [k for k in settings if k not in known]
+        if unknown:
+            raise ValueError(f"Unknown setting(s) {unknown} of strategy {name!r} in {text!r}"
+                             f"{unknown_settings_hint(unknown, known)}. Its settings: {', '.join(known)}.")
     return StrategySpec(name, settings)
 
 

@@ -113,14 +113,14 @@ def _load(args):
         name = f"{EMBEDDED_MODELS[args.model]} (embedded)" if args.model in EMBEDDED_MODELS else str(args.model)
     model = model.to(device=device, dtype=dtype).eval()
     if getattr(args, "drafter", None):
-        from .drafters.loading import load_drafter
+        from .drafters.loading import own_drafter
         from .integration import attach_drafter
 
         try:
-            head = load_drafter(args.drafter)
+            head = own_drafter(args.drafter, model)
         except Exception as err:  # noqa: BLE001 - any loading failure is a bad --drafter, reported with its cause
             raise ValueError(f"Could not load a drafter from --drafter {args.drafter!r}: {err}") from err
-        attach_drafter(model, head.to(device=device, dtype=dtype).eval())
+        attach_drafter(model, head.eval())
         name += f" + {args.drafter}"
     return model, tokenizer, name
 
@@ -244,10 +244,13 @@ def _tune(args) -> int:
     grid = _parse_grid(args.decoding, args.grid)
     prompts = _prompts(args, 8)  # bad input fails before the model loads
     save_to = None
-    if args.save:
+    if args.save or args.save_to is not None:  # --save-to implies --save
         save_to = args.save_to or args.model
-        if not Path(save_to).is_dir():
-            raise ValueError(f"--save writes next to a local model folder; {save_to!r} is not one. Pass --save-to DIR.")
+        if args.save_to is not None and Path(save_to).exists() and not Path(save_to).is_dir():
+            raise ValueError(f"--save-to {save_to!r} is a file; pass a folder (a new one is created).")
+        if args.save_to is None and not Path(save_to).is_dir():
+            raise ValueError(f"--save writes next to a local model folder; {save_to!r} is not one. Pass --save-to DIR "
+                             "(a new folder is created).")
     model, tokenizer, name = _load(args)
     report = tune(model, tokenizer, prompts, args.decoding, grid, max_new_tokens=args.max_new_tokens,
                   batch_size=args.batch_size, repeats=args.repeats, latency_budget_ms=args.latency_budget_ms,
@@ -492,7 +495,8 @@ def _main(argv=None) -> int:
                         help="only settings whose time per step (ms) fits this budget")
     p_tune.add_argument("--save", action="store_true",
                         help="write the choice as parallel_decoding_config.json next to the model (a local folder)")
-    p_tune.add_argument("--save-to", default=None, help="folder for --save (default: the --model folder)")
+    p_tune.add_argument("--save-to", default=None,
+                        help="folder for --save (implies it), created when missing (default: the --model folder)")
     p_tune.add_argument("--output-dir", default="tune_out")
     p_tune.set_defaults(func=_tune, max_new_tokens=64)
 

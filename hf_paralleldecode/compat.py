@@ -20,7 +20,8 @@ What is here
     * The ``custom_generate`` contract: the arguments ``generate`` hands a callable
       (:data:`SAMPLE_ARGUMENTS`), the decoder-only output class, generation modes, the generation
       config's prepared special-token tensors, stopping criteria, logits processors, the
-      distributed checks ``generate`` makes, and the streamer of the enclosing ``generate`` call.
+      distributed checks ``generate`` makes, the ``max_length`` it resolves for a call, the model inputs it
+      accepts, and the streamer of the enclosing ``generate`` call.
     * Models: the attention implementation in use, transformers' DFlash drafter classes, a base
       class for the library's own ``PreTrainedModel`` subclasses, and the ``Trainer`` hooks.
     * :data:`INTERNALS`: every internal name this module relies on, checked by
@@ -54,7 +55,7 @@ __all__ = [
     "cache_kwargs", "forward_cache_key", "user_cache", "output_cache", "Cache", "DynamicCache", "DynamicLayer",
     "CACHE_NAMES", "GenerationMode", "GenerateDecoderOnlyOutput", "SAMPLE_ARGUMENTS", "logits_process", "EosTokenCriteria",
     "MaxLengthCriteria", "pad_token_tensor", "eos_token_tensor", "distributed_world_size", "sharded_across_processes",
-    "enclosing_generate_streamer", "attn_implementation", "default_cache", "is_sliding_window_layer", "has_recurrent_state", "length_dependent_rope", "set_body_attn_implementation", "dflash_classes",
+    "enclosing_generate_streamer", "generated_max_length", "generate_model_inputs", "attn_implementation", "default_cache", "is_sliding_window_layer", "has_recurrent_state", "length_dependent_rope", "set_body_attn_implementation", "dflash_classes",
     "HeadPreTrainedModel", "TrainerHooks", "GENERATION_CONFIG_BOOKKEEPING", "INTERNALS", "RUNTIME_INTERNALS",
 ]
 
@@ -179,6 +180,32 @@ def enclosing_generate_streamer(depth: int = 2):
 
 
 # ---- models ---------------------------------------------------------------------------------------
+def generated_max_length(model, generation_config, input_length: int) -> int:
+    """``max_length`` as ``generate`` resolves it for a prompt of ``input_length`` tokens (padding included; a call
+    without a prompt starts from one BOS token per row, so 1): prompt + ``max_new_tokens`` when that is set, else
+    ``max_length`` when the call or a generation config sets it, else transformers' default number of new tokens
+    after the prompt, capped at ``max_position_embeddings`` (``GenerationMixin._prepare_generated_length``)."""
+    if generation_config.max_new_tokens is not None:
+        return int(input_length) + int(generation_config.max_new_tokens)
+    if generation_config.max_length is not None:
+        return int(generation_config.max_length)
+    length = int(input_length) + int(type(generation_config)._get_default_generation_params()["max_length"])
+    positions = getattr(model.config, "max_position_embeddings", None)
+    return min(length, int(positions)) if positions is not None else length
+
+
+def generate_model_inputs(model) -> frozenset[str]:
+    """The keyword names stock ``generate`` accepts as model inputs of ``model`` (others it refuses as unused or typos:
+    ``GenerationMixin._validate_model_kwargs``): ``prepare_inputs_for_generation``'s parameters, ``forward``'s when
+    the former takes ``**kwargs``, and the model-agnostic ``TransformersKwargs``."""
+    from transformers.utils import TransformersKwargs
+
+    names = set(inspect.signature(model.prepare_inputs_for_generation).parameters)
+    if "kwargs" in names or "model_kwargs" in names:
+        names |= set(inspect.signature(model.forward).parameters)
+    return frozenset(names | set(TransformersKwargs.__optional_keys__))
+
+
 def attn_implementation(config) -> str | None:
     """The attention implementation a model (config) runs with, or ``None`` when unset."""
     return getattr(config, "_attn_implementation", None)
@@ -320,6 +347,10 @@ INTERNALS: tuple[tuple[str, str], ...] = (
     ("transformers.generation.utils", "GenerateDecoderOnlyOutput"),
     ("transformers.generation.utils.GenerationMixin", "_sample"),
     ("transformers.generation.configuration_utils", "GenerationMode"),
+    ("transformers.generation.configuration_utils.GenerationConfig", "_get_default_generation_params"),
+    ("transformers.generation.utils.GenerationMixin", "_prepare_generated_length"),
+    ("transformers.generation.utils.GenerationMixin", "_validate_model_kwargs"),
+    ("transformers.utils", "TransformersKwargs"),
     ("transformers.generation.stopping_criteria", "EosTokenCriteria"),
     ("transformers.generation.stopping_criteria", "MaxLengthCriteria"),
     ("transformers.cache_utils", "Cache"),

@@ -33,6 +33,8 @@ from __future__ import annotations
 import inspect
 import logging
 
+import torch
+
 from .decoding.support import call_conflict
 from .registry import get_decoding
 
@@ -84,7 +86,9 @@ class ParallelDecodingMixin:
         inputs = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
         attached = attached_drafter(self)
         drafter = next((d for d in (kwargs.get("drafter"), defaults.get("drafter"), attached) if d is not None), None)
-        conflict = call_conflict(self, strategy, kwargs, getattr(inputs, "shape", (None, None))[-1], drafter)
+        # without a prompt, generate starts every row from one BOS token
+        length = inputs.shape[-1] if isinstance(inputs, torch.Tensor) else 1
+        conflict = call_conflict(self, strategy, kwargs, length, drafter)
         if conflict is not None:
             if explicit:
                 raise ValueError(f"decoding={decoding!r} {conflict}")
@@ -173,8 +177,16 @@ def enable(model):
     """Return ``model`` (same object) whose ``generate`` also accepts ``decoding="<name>"``."""
     if is_enabled(model):
         return model
-    if not hasattr(model, "generate"):
-        raise ValueError(f"{type(model).__name__} has no generate(); pass a transformers causal LM.")
+    if isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):  # what torch.compile(model) returns
+        raise ValueError(
+            f"enable() got a torch.compile wrapper ({type(model).__name__}) of a {type(model._orig_mod).__name__}: its "
+            "generate() is the wrapped model's, which runs the uncompiled forward, and decoding= cannot be added to the "
+            "wrapper. Enable the model itself (hf_paralleldecode.enable(compiled._orig_mod), or enable before "
+            "compiling); to run a compiled forward under decoding=, compile the forward of the enabled model: "
+            "model.forward = torch.compile(model.forward) (docs/troubleshooting.md).")
+    if not callable(getattr(type(model), "generate", None)):
+        raise ValueError(f"{type(model).__name__} has no generate() of its own; pass a transformers causal LM (not a "
+                         "wrapper around one).")
     cls = type(model)
     new_cls = _CLASS_CACHE.get(cls)
     if new_cls is None:

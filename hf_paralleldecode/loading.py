@@ -70,7 +70,8 @@ def load_model(
     ``drafter=`` (a :class:`~hf_paralleldecode.DraftHead` or :class:`~hf_paralleldecode.DiffusionDrafter`,
     a path, a Hub repo id or a shipped alias) attaches one to any target; without a config,
     ``generate()`` then defaults to ``decoding="speculative"``. A drafter built for another target
-    (or vocabulary / tokenizer) is refused here.
+    (or vocabulary / tokenizer) is refused here. The model gets a drafter of its own, on its device and dtype
+    (loaded anew, or a copy of the object given): models loaded with the same drafter never share it.
     """
     from transformers import AutoModelForCausalLM
 
@@ -90,11 +91,9 @@ def load_model(
             (Path(pretrained) / BUNDLE_DRAFTER_DIR).is_dir():
         drafter = Path(pretrained) / BUNDLE_DRAFTER_DIR  # a bundle whose config does not name its head
     if drafter is not None:
-        from .drafters.loading import load_drafter
+        from .drafters.loading import own_drafter
 
-        head = load_drafter(drafter, **hub_kwargs)
-        head.to(device=model.device, dtype=model.dtype)
-        attach_drafter(model, head)
+        attach_drafter(model, own_drafter(drafter, model, **hub_kwargs))
         if config is None:
             config = ParallelDecodingConfig("speculative")
     if config is not None:

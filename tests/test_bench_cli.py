@@ -22,6 +22,10 @@ def test_parse_strategy():
     assert parse_strategy("prompt_lookup").decoding == "prompt_lookup"  # this library's strategy
     with pytest.raises(ValueError, match="key=value"):
         parse_strategy("jacobi:block_size")
+    with pytest.raises(ValueError, match=r"Unknown setting\(s\) \['bogus'\] of strategy 'jacobi'.*Its settings: .*block_size"):
+        parse_strategy("jacobi:bogus=1")
+    with pytest.raises(ValueError, match=r"'block_sise'.*did you mean 'block_size'"):
+        parse_strategy("jacobi:block_sise=4")
 
 
 @pytest.mark.parametrize("batch_size", [1, 2])
@@ -109,6 +113,15 @@ def test_cli_bad_strategy_is_a_clear_error(capsys):
                   "--num-prompts", "1", "--max-new-tokens", "4", "--output-dir", ""])
     assert exc.value.code == 2
     assert "block_size" in capsys.readouterr().err
+
+
+def test_cli_unknown_strategy_setting_names_the_setting_and_lists_the_known_ones(capsys):
+    with pytest.raises(SystemExit) as exc:  # before the model loads
+        cli.main(["bench", "--model", "random-tiny", "--strategies", "jacobi:bogus=1", "--repeats", "1",
+                  "--num-prompts", "1", "--max-new-tokens", "4", "--output-dir", ""])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "Unknown setting(s) ['bogus'] of strategy 'jacobi'" in err
+    assert "block_size" in err and "cannot feed" not in err
 
 
 def test_benchmark_survives_single_token_runs_and_uses_stock_ar(tmp_path):
@@ -221,6 +234,21 @@ def test_cli_tune_prints_the_knee_and_the_choice(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:  # --save needs a local model folder
         cli.main(["tune", "--model", "random-tiny", "--prompts", str(prompts), "--save", "--grid", "block_size=2"])
     assert exc.value.code == 2 and "--save-to" in capsys.readouterr().err
+
+
+def test_cli_tune_save_to_a_new_folder_creates_it(tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "def f(x):\\n    return"}\n')
+    target = tmp_path / "new" / "configs"
+    code = cli.main(["tune", "--model", "random-tiny", "--prompts", str(prompts), "--max-new-tokens", "4",
+                     "--grid", "block_size=2", "--save", "--save-to", str(target), "--output-dir", str(tmp_path / "o")])
+    assert code == 0 and str(target) in capsys.readouterr().out
+    assert json.loads((target / "parallel_decoding_config.json").read_text())["decoding"] == "jacobi_forcing"
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(SystemExit) as exc:  # a path that is a file is refused before the model loads
+        cli.main(["tune", "--model", "random-tiny", "--prompts", str(prompts), "--save", "--save-to",
+                  str(tmp_path / "file"), "--grid", "block_size=2"])
+    assert exc.value.code == 2 and "is a file" in capsys.readouterr().err
 
 
 def test_sampled_runs_report_speed_against_stock_sampling_with_the_same_seed(tmp_path):

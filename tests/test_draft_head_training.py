@@ -53,7 +53,8 @@ def test_training_forward_drafts_what_the_inference_drafter_drafts(kind, tmp_pat
 
     monkeypatch.setattr(DraftHead, "logits", spy)
     target.generate(input_ids=prompt, max_new_tokens=12, do_sample=False, eos_token_id=None, decoding="speculative",
-                    drafter=head, tree_budget=4, tree_width=1, tree_depth=4, drafter_dtype="target")  # fp32 as trained
+                    drafter=head, tree_budget=4, tree_width=1, tree_depth=4, drafter_dtype="target",  # fp32 as trained
+                    adaptive=False)  # the configured chain on the first step, whatever the clock says
     monkeypatch.setattr(DraftHead, "logits", orig)
     if kind == "block_bidirectional":
         drafted = calls[0][0]  # [4, V]: depths 1..4 from the MASK slots

@@ -46,7 +46,9 @@ def _drafts(model, drafter, batch=3, **settings):
     finally:
         DraftProposer._pack = pack
     arch = model.config.model_type
-    torch.testing.assert_close(out, reference(arch, batch, 16), rtol=0, atol=0)
+    stock = reference(arch, batch, 16) if model is enabled(arch) else model.generate(
+        input_ids=ids, attention_mask=mask, max_new_tokens=16, do_sample=False, decoding="stock")
+    torch.testing.assert_close(out, stock, rtol=0, atol=0)
     return trees
 
 
@@ -213,6 +215,93 @@ def test_original_eagle3_layout_imports(tmp_path, reduced, arch):
     assert isinstance(again, Eagle3Drafter) and again.config.reduced_vocab == reduced
     for batch in (1, 3):
         assert _drafts(model, drafter, batch, tree_budget=8) == _drafts(model, again, batch, tree_budget=8)
+
+
+def _authors_eagle3(drafter, folder):
+    """An EAGLE-3 drafter as the EAGLE authors' code writes it (``eagle/traineagle3``: its config.json, the trainer's
+    ``save_16bit_model`` state dict without the frozen embeddings): ``LlamaForCausalLMEagle3``, ``midlayer.*``,
+    ``d2t`` / ``t2d`` always, and no record of the tapped layers (``modeling_llama_kv`` derives them from the
+    target's depth)."""
+    c = drafter.config
+    folder.mkdir(parents=True)
+    cfg = {"architectures": ["LlamaForCausalLMEagle3"], "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu",
+           "hidden_size": c.hidden_size, "initializer_range": 0.02, "intermediate_size": c.intermediate_size,
+           "max_position_embeddings": 2048, "model_type": "llama", "num_attention_heads": c.num_attention_heads,
+           "num_key_value_heads": c.num_key_value_heads, "num_hidden_layers": 1, "pad_token_id": 0,
+           "rms_norm_eps": c.rms_norm_eps, "tie_word_embeddings": False, "torch_dtype": "float32",
+           "transformers_version": "4.28.1", "use_cache": True, "vocab_size": c.target_vocab_size,
+           "draft_vocab_size": c.draft_vocab_size}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    state = {k.replace("layers.0.", "midlayer."): v.clone() for k, v in drafter.state_dict().items()}
+    state.setdefault("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
+    state.setdefault("t2d", torch.ones(c.target_vocab_size, dtype=torch.bool))
+    torch.save(state, folder / "pytorch_model.bin")
+
+
+def _eagle_reference_features(model, ids):
+    """The features EAGLE's own target code fuses: the residual stream entering decoder layers 2, L // 2 and L - 3
+    (``modeling_llama_kv``: ``all_hidden_states += (hidden_states,)`` before layer ``idx``; vLLM:
+    ``aux_hidden_states.append(hidden_states + residual)`` before layer ``idx``), in layer order. transformers'
+    ``hidden_states[i]`` is that stream before layer ``i`` (index 0: the embeddings)."""
+    L = model.config.num_hidden_layers
+    with torch.no_grad():
+        hs = model(input_ids=ids, output_hidden_states=True).hidden_states
+    return torch.cat([hs[i] for i in sorted({2, L // 2, L - 3})], dim=-1)
+
+
+@pytest.mark.parametrize("arch,depth", [*[(a, 8) for a in MAIN_ARCHS], ("llama", 11), ("llama", 32)])
+def test_authors_eagle3_checkpoint_without_tap_ids_takes_the_reference_taps_of_its_target(tmp_path, arch, depth):
+    from hf_paralleldecode.decoding.target import HiddenStateTaps
+
+    model = hfpd.enable(tiny_model(arch, num_hidden_layers=depth))
+    drafter = _eagle(model, draft_vocab_size=40, layer_type="llama")
+    drafter.set_draft_vocab(torch.arange(0, 80, 2))
+    _authors_eagle3(drafter, tmp_path / "eagle")
+    again = load_drafter(tmp_path / "eagle", cache=False)
+    assert isinstance(again, Eagle3Drafter) and again.config.target_layer_ids is None  # nothing recorded
+    with pytest.raises(ValueError, match=r"bind"):
+        again.tap_layers  # noqa: B018 - the rule needs the target's depth
+    again.bind(model)
+    assert again.tap_layers == [1, depth // 2 - 1, depth - 4]  # outputs of the layers before 2, L // 2, L - 3
+    ids, _ = prompts(1)
+    with HiddenStateTaps(model, again.tap_layers) as taps, torch.no_grad():
+        model(input_ids=ids)
+        assert torch.equal(taps.features(), _eagle_reference_features(model, ids))
+    if depth <= 11:  # drafts as the same weights with the taps named, and stays lossless
+        for batch in (1, 3):
+            assert _drafts(model, drafter, batch, tree_budget=8) == _drafts(model, again, batch, tree_budget=8)
+
+
+def test_an_eagle3_checkpoint_without_tap_ids_is_refused_for_a_target_too_shallow_for_the_rule(tmp_path):
+    deep = hfpd.enable(tiny_model("llama", num_hidden_layers=8))
+    _authors_eagle3(_eagle(deep, layer_type="llama"), tmp_path / "eagle")
+    shallow = enabled("llama")  # 2 layers: layers 2, L // 2, L - 3 are not three distinct layers to tap
+    ids, mask = prompts(1)
+    calls = []
+    hook = shallow.register_forward_hook(lambda *a: calls.append(1))
+    try:
+        with pytest.raises(ValueError, match=r"records no tapped layers.*2 layers"):
+            shallow.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, decoding="speculative",
+                             drafter=str(tmp_path / "eagle"))
+    finally:
+        hook.remove()
+    assert not calls
+    with pytest.raises(ValueError, match="records no tapped layers"):
+        hfpd.load_model(_saved_target(shallow, tmp_path), drafter=tmp_path / "eagle")
+
+
+@pytest.mark.parametrize("fmt", ["eagle3", "speculators"])
+def test_an_eagle3_drafter_without_tap_ids_exports_the_taps_of_the_target_it_is_bound_to(tmp_path, fmt):
+    model = hfpd.enable(tiny_model("llama", num_hidden_layers=8))
+    _authors_eagle3(_eagle(model, layer_type="llama"), tmp_path / "eagle")
+    drafter = load_drafter(tmp_path / "eagle", cache=False)
+    with pytest.raises(ValueError, match="bind"):
+        export_drafter(drafter, tmp_path / "unbound", format=fmt, verifier=_saved_target(model, tmp_path))
+    drafter.bind(model)
+    export_drafter(drafter, tmp_path / "out", format=fmt, verifier=tmp_path / "target")
+    again = load_drafter(tmp_path / "out", cache=False)
+    assert again.config.target_layer_ids == [1, 3, 4]
+    assert _drafts(model, drafter, tree_budget=8) == _drafts(model, again, tree_budget=8)
 
 
 # ---- wrong folders raise before any forward ------------------------------------------------------------------

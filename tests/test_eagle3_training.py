@@ -65,3 +65,23 @@ def test_training_lowers_the_loss_and_the_saved_drafter_decodes_losslessly(tmp_p
     ref = target.generate(input_ids=ids, max_new_tokens=20, do_sample=False, decoding="stock")
     out = target.generate(input_ids=ids, max_new_tokens=20, do_sample=False, decoding="speculative", drafter=again)
     assert torch.equal(out, ref)
+
+
+def test_an_authors_checkpoint_without_tap_ids_trains_on_the_reference_taps_of_its_target(tmp_path):
+    """Fine-tuning an EAGLE authors' checkpoint (no tap ids recorded): the trainer taps the reference layers of the
+    target (the inputs of layers 2, L // 2, L - 3) and the saved drafter still applies the rule."""
+    from test_drafter_formats import _authors_eagle3
+
+    target = hfpd.enable(tiny_model("llama", vocab_size=32, num_hidden_layers=8))
+    torch.manual_seed(0)
+    _authors_eagle3(Eagle3Drafter.for_target(target, layer_type="llama"), tmp_path / "authors")
+    drafter = hfpd.load_drafter(tmp_path / "authors", cache=False)
+    args = Eagle3DistillationConfig(output_dir=str(tmp_path / "out"), max_steps=2, per_device_train_batch_size=4,
+                                    use_cpu=True, report_to="none", save_strategy="no", ttt_steps=2)
+    trainer = Eagle3DistillationTrainer(model=drafter.train(), args=args, target_model=target,
+                                        train_dataset=_regenerated(target))
+    assert trainer._taps.layer_ids == [1, 3, 4]
+    trainer.train()
+    trainer.save_model(str(tmp_path / "saved"))
+    again = hfpd.load_drafter(tmp_path / "saved", cache=False)
+    assert again.config.target_layer_ids is None and again.bind(target).tap_layers == [1, 3, 4]

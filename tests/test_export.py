@@ -64,7 +64,8 @@ def test_transformers_export_runs_in_stock_dflash_generation_with_the_same_draft
 
     monkeypatch.setattr(spec_module.DraftProposer, "propose", record_ours)
     out = target.generate(input_ids=ids, max_new_tokens=24, do_sample=False, decoding="speculative", drafter=head,
-                          tree_width=1, tree_budget=4, drafter_dtype="target")  # fp32, as the exported drafter
+                          tree_width=1, tree_budget=4, drafter_dtype="target",  # fp32, as the exported drafter
+                          adaptive=False)  # a chain every step, as stock DFlash: the drafts are compared step by step
     assert torch.equal(out, ref)
     n = min(len(theirs), len(ours))
     assert n >= 3 and len({tuple(d) for d in ours}) > 1, "drafts must vary for the comparison to mean something"
@@ -124,3 +125,21 @@ def test_tree_causal_head_has_no_transformers_form_and_formats_are_checked(tmp_p
         export_draft_head(head, tmp_path, format="transformers")
     with pytest.raises(ValueError, match="Unknown export format"):
         export_draft_head(head, tmp_path, format="onnx")
+
+
+@pytest.mark.parametrize("kind", ["head", "eagle3"])
+def test_unknown_keywords_are_a_type_error_as_python_raises_them(tmp_path, kind):
+    """An unexpected keyword is the caller's typo: TypeError naming it, as Python raises for any function."""
+    target, head = _head()
+    drafter = head if kind == "head" else hfpd.Eagle3Drafter.for_target(target)
+    with pytest.raises(TypeError, match="unknown"):
+        hfpd.export_drafter(drafter, tmp_path / "a", format="speculators", unknown=1)
+    with pytest.raises(TypeError, match="unknown"):
+        export_draft_head(head, tmp_path / "b", format="dflash", unknown=1)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    with pytest.raises(TypeError, match="bogus"):
+        hfpd.load_drafter(tmp_path, bogus=1)
+    # the verifier's other name still works, and only one of the two names may be given
+    export_draft_head(head, tmp_path / "c", format="dflash", verifier_name_or_path="org/tiny-qwen3")
+    with pytest.raises(TypeError, match="verifier= and verifier_name_or_path="):
+        hfpd.export_drafter(head, tmp_path / "d", format="dflash", verifier="a", verifier_name_or_path="b")

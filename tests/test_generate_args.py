@@ -165,3 +165,83 @@ def test_a_streamer_given_with_custom_generate_is_fed_like_stock(decoding):
     assert ours.ended == stock.ended == 1
     assert len(ours.values) == len(stock.values)
     assert all(torch.equal(a, b) for a, b in zip(ours.values, stock.values))
+
+
+# ---- generate() without a prompt: stock starts from one BOS token per row -----------------------------------------
+def _no_prompt_settings(decoding, model):
+    """A strategy's settings for the no-prompt table (``speculative``: a random draft head or EAGLE-3 drafter)."""
+    if decoding == "speculative":
+        torch.manual_seed(0)
+        return dict(drafter=hfpd.DraftHead.for_target(model, num_hidden_layers=1, block_size=3), tree_budget=5)
+    if decoding == "speculative_eagle3":
+        torch.manual_seed(0)
+        return dict(drafter=hfpd.Eagle3Drafter.for_target(model), tree_budget=5)
+    return dict(STRATEGIES.get(decoding, {}))
+
+
+NO_PROMPT_DECODINGS = [*STRATEGIES, "prompt_lookup", "speculative", "speculative_eagle3"]
+NO_PROMPT_LENGTHS = {"max_new_tokens": dict(max_new_tokens=6), "max_length": dict(max_length=9),
+                     "default_length": {}}  # transformers' default: 20 new tokens
+
+
+@pytest.mark.parametrize("length", list(NO_PROMPT_LENGTHS))
+@pytest.mark.parametrize("decoding", NO_PROMPT_DECODINGS)
+def test_generate_without_a_prompt_starts_from_bos_like_stock(decoding, length):
+    model = enabled("llama")
+    kwargs = dict(do_sample=False, **NO_PROMPT_LENGTHS[length])
+    ref = model.generate(**kwargs, decoding="stock")
+    assert ref[0, 0] == BOS and ref.shape[0] == 1
+    out = model.generate(**kwargs, decoding=decoding.removesuffix("_eagle3"), **_no_prompt_settings(decoding, model))
+    assert torch.equal(out, ref)
+
+
+def test_a_checkpoint_default_serves_a_call_without_a_prompt(monkeypatch):
+    model = hfpd.enable(tiny_model("llama"))
+    model.parallel_decoding_config = hfpd.ParallelDecodingConfig("jacobi", {"block_size": 4})
+    seen = []
+    stock_generate = transformers.GenerationMixin.generate
+
+    def spy(self, *args, **kwargs):
+        seen.append(kwargs.get("custom_generate"))
+        return stock_generate(self, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.GenerationMixin, "generate", spy)
+    out = model.generate(max_new_tokens=6)
+    assert seen == [hfpd.jacobi]
+    monkeypatch.setattr(transformers.GenerationMixin, "generate", stock_generate)
+    assert torch.equal(out, model.generate(max_new_tokens=6, decoding="stock"))
+
+
+def test_without_a_prompt_or_bos_token_the_error_is_stocks():
+    model = hfpd.enable(tiny_model("llama"))
+    model.generation_config.bos_token_id = None
+    model.config.bos_token_id = None
+    with pytest.raises(ValueError, match="bos_token_id"):
+        model.generate(max_new_tokens=4, decoding="stock")
+    with pytest.raises(ValueError, match="bos_token_id"):
+        model.generate(max_new_tokens=4, decoding="jacobi")
+
+
+@pytest.mark.parametrize("length", list(NO_PROMPT_LENGTHS))
+@pytest.mark.parametrize("prompt", [False, True], ids=["no_prompt", "prompt"])
+@pytest.mark.parametrize("positions", [512, 16], ids=["long_table", "short_table"])
+def test_the_pre_check_resolves_max_length_as_generate_does(length, prompt, positions):
+    """What enable()'s pre-check reads as a call's max_length (rotary, sliding-window and drafter checks) is what
+    generate hands the strategy: prompt + max_new_tokens, max_length, or 20 new tokens capped at the position table."""
+    import copy
+
+    from hf_paralleldecode.compat import generated_max_length
+
+    model = tiny_model("llama", max_position_embeddings=positions)
+    seen = []
+
+    def record(model, input_ids, logits_processor, stopping_criteria, generation_config, **kwargs):
+        seen.append(generation_config.max_length)
+        return input_ids
+
+    kwargs = dict(NO_PROMPT_LENGTHS[length])
+    ids = prompts(2)[0] if prompt else None
+    model.generate(input_ids=ids, custom_generate=record, **kwargs)
+    gc = copy.deepcopy(model.generation_config)
+    gc.update(**kwargs)
+    assert seen == [generated_max_length(model, gc, ids.shape[1] if prompt else 1)]

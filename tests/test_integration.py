@@ -64,6 +64,54 @@ def test_enable_keeps_stock_behaviour_class_name_and_isinstance(tmp_path):
     assert not hfpd.is_enabled(tiny_model("qwen2"))
 
 
+@pytest.mark.parametrize("enabled_first", [False, True], ids=["plain", "enabled_then_compiled"])
+def test_enable_refuses_a_torch_compile_wrapper_naming_what_to_do(enabled_first):
+    """torch.compile(model) is a wrapper whose generate() is the wrapped model's (run uncompiled): enable() refuses it
+    before anything changes, and the wrapper keeps working as before."""
+    model = tiny_model("llama")
+    if enabled_first:
+        hfpd.enable(model)
+    compiled = torch.compile(model)
+    with pytest.raises(ValueError, match=r"torch\.compile.*_orig_mod.*model\.forward = torch\.compile"):
+        hfpd.enable(compiled)
+    assert type(compiled).__name__ == "OptimizedModule" and not hfpd.is_enabled(compiled)
+    ids = torch.tensor([[5, 6, 7]])
+    ref = model.generate(input_ids=ids, max_new_tokens=4, do_sample=False)
+    assert torch.equal(compiled.generate(input_ids=ids, max_new_tokens=4, do_sample=False), ref)
+
+
+def test_enable_refuses_a_wrapper_without_a_generate_of_its_own():
+    class Wrapper(torch.nn.Module):  # forwards attributes to the model, as DDP-like wrappers may
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def __getattr__(self, name):
+            try:
+                return super().__getattr__(name)
+            except AttributeError:
+                return getattr(super().__getattr__("inner"), name)
+
+    with pytest.raises(ValueError, match="Wrapper.*generate"):
+        hfpd.enable(Wrapper(tiny_model("llama")))
+
+
+@pytest.mark.slow
+def test_a_compiled_forward_serves_every_decoding_exactly():
+    """What docs/troubleshooting.md advises: enable the model, then compile its forward (the eager backend here: the
+    same graph capture, without the C++ build)."""
+    model = hfpd.enable(tiny_model("llama"))
+    ids, mask = prompts(2)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
+    ref = model.generate(**kwargs)
+    model.forward = torch.compile(model.forward, backend="eager")
+    try:
+        for decoding in ("stock", "jacobi", "lookahead"):
+            assert torch.equal(model.generate(**kwargs, decoding=decoding), ref), decoding
+    finally:
+        del model.forward
+
+
 def test_unknown_strategy_setting_is_not_silently_ignored():
     model = hfpd.enable(tiny_model("llama"))
     ids, _ = prompts(1)

@@ -69,6 +69,7 @@ def test_other_model_inputs_are_refused_by_name_before_any_forward(decoding, ext
     ("jacobi", "block_sise", r"unknown setting.*'block_sise'.*did you mean 'block_size'"),  # a typo
     ("speculative", "pool_size", r"unknown setting.*'pool_size' is a setting of decoding=.*'jacobi_forcing'"),
     ("lookahead", "tree_depth", r"unknown setting.*'tree_depth' is a setting of decoding='speculative'"),
+    ("jacobi", "bogus", r"unknown setting.*'bogus'.*not inputs of LlamaForCausalLM"),  # stock refuses it too
 ])
 def test_a_misspelt_or_foreign_setting_is_named_as_a_setting_before_any_forward(decoding, extra, match):
     """A key that is a near miss of one of the decoding's settings, or a setting of another decoding, is reported

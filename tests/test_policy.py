@@ -306,6 +306,34 @@ def test_the_policy_is_on_by_default_and_its_measurements_carry_over(decoding, s
     assert "shape_steps" not in out.stats
 
 
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_which_statistics_are_reproducible_depends_on_adaptive(monkeypatch, small_vocab, adaptive):
+    """What docs/batch-policy.md promises: with adaptive=False the forwards and accepted lengths of a call are the
+    same whatever the clock reads; with adaptive=True the policy times its steps, and a device where each fed token
+    costs (a CPU) gets other shapes, so other counts, than one where a forward costs the same at any width."""
+    from models import small_prompts
+
+    now = [0.0]
+    monkeypatch.setattr(policy_module.time, "perf_counter", lambda: now[0])
+    ids, mask = small_prompts(1)
+    counts = {}
+    for per_token in (0.0, 1.0):  # the clock a forward advances: per forward (flat), or per token fed (steep)
+        def tick(module, args, kwargs, per_token=per_token):
+            now[0] += 1.0 + per_token * kwargs["input_ids"].numel()
+
+        hook = small_vocab.register_forward_pre_hook(tick, with_kwargs=True)
+        try:
+            torch.manual_seed(0)
+            head = DraftHead.for_target(small_vocab, attention="tree_causal", block_size=4)  # no memory carried
+            out = small_vocab.generate(input_ids=ids, attention_mask=mask, max_new_tokens=30, do_sample=False,
+                                       decoding="speculative", drafter=head, tree_budget=8, adaptive=adaptive,
+                                       return_dict_in_generate=True)
+        finally:
+            hook.remove()
+        counts[per_token] = (out.num_forward_passes, out.stats["accepted_lengths"])
+    assert (counts[0.0] == counts[1.0]) is (not adaptive)
+
+
 def test_greedy_and_sampled_calls_do_not_share_measurements():
     """A sampled call at temperature 0.8 accepts far less than a greedy one: it must not start from the greedy calls'
     token counts (nor a call at another temperature from its)."""

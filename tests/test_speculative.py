@@ -160,7 +160,8 @@ def test_cost_aware_trees_match_stock_greedy_and_a_steep_cost_feeds_fewer_nodes(
         linear_cost(monkeypatch, per_token)
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False,
                              decoding="speculative", drafter=drafter, tree_budget=12, tree_width=3,
-                             context_matches=2, context_tokens=4, cost_aware=True, return_dict_in_generate=True)
+                             context_matches=2, context_tokens=4, cost_aware=True, adaptive=False,  # compared counts
+                             return_dict_in_generate=True)
         torch.testing.assert_close(out.sequences, ref, rtol=0, atol=0)
         assert out.stats["cost_aware"] is True
         chosen[per_token] = out.stats["budget_optional_nodes_per_step"]
@@ -417,6 +418,64 @@ def test_loading_a_head_for_another_target_is_refused(tmp_path):
     head_for(tiny_model("llama", hidden_size=48), "tree_causal").save_pretrained(tmp_path / "head")
     with pytest.raises(ValueError, match="built for another target"):
         hfpd.load_model(tmp_path / "target", drafter=tmp_path / "head")
+
+
+def _drafter_folder(kind, target, folder):
+    drafter = head_for(target, "tree_causal") if kind == "head" else \
+        hfpd.Eagle3Drafter.for_target(target) if kind == "eagle3" else hfpd.DiffusionDrafter.for_target(target)
+    drafter.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("kind", ["head", "eagle3", "deer"])
+def test_models_loaded_with_one_drafter_folder_each_own_their_drafter(tmp_path, kind):
+    """load_model attaches a drafter of the model's own, on its dtype: loading a bf16 then an fp32 model from one
+    drafter folder leaves the bf16 model's drafter bf16, and one model's runs never move the other's drafter."""
+    target = tiny_model("llama")
+    target.save_pretrained(tmp_path / "target")
+    folder = _drafter_folder(kind, target, tmp_path / "drafter")
+    half = hfpd.load_model(tmp_path / "target", drafter=folder, dtype=torch.bfloat16)
+    full = hfpd.load_model(tmp_path / "target", drafter=folder)
+    a, b = hfpd.integration.attached_drafter(half), hfpd.integration.attached_drafter(full)
+    assert a is not b and a.dtype == torch.bfloat16 and b.dtype == torch.float32
+    ids, mask = prompts(2)
+    gen = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    assert torch.equal(full.generate(**gen, drafter_dtype="bfloat16"), full.generate(**gen, decoding="stock"))
+    assert a.dtype == torch.bfloat16 and b.dtype == torch.bfloat16  # drafter_dtype casts the model's own drafter
+    half.generate(**gen, drafter_dtype="target")
+    assert a.dtype == torch.bfloat16 and b.dtype == torch.bfloat16
+
+
+def test_a_drafter_object_given_to_load_model_is_copied_not_moved(tmp_path):
+    target = tiny_model("llama")
+    target.save_pretrained(tmp_path / "target")
+    head = head_for(target, "tree_causal").bind(target)
+    model = hfpd.load_model(tmp_path / "target", drafter=head, dtype=torch.bfloat16)
+    own = hfpd.integration.attached_drafter(model)
+    assert own is not head and own.dtype == torch.bfloat16 and head.dtype == torch.float32
+    assert head.target is target  # the object given keeps its binding
+    assert all(torch.equal(p.float(), q.bfloat16().float()) for p, q in zip(own.parameters(), head.parameters()))
+
+
+def test_a_drafter_folder_passed_to_generate_is_cached_per_device_and_dtype(tmp_path):
+    """drafter=PATH loads once per folder, device and dtype: a run in bf16 never moves the fp32 copy other models
+    use."""
+    from hf_paralleldecode import load_drafter
+
+    target = hfpd.enable(tiny_model("llama"))
+    folder = str(_drafter_folder("eagle3", target, tmp_path / "drafter"))
+    full = load_drafter(folder, device="cpu", dtype=torch.float32)
+    assert load_drafter(folder, device="cpu", dtype=torch.float32) is full  # cached
+    ids, mask = prompts(2)
+    gen = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, decoding="speculative",
+               drafter=folder)
+    ref = target.generate(**{**gen, "decoding": "stock", "drafter": None})
+    assert torch.equal(target.generate(**gen, drafter_dtype="bfloat16"), ref)
+    assert full.dtype == torch.float32
+    half = load_drafter(folder, device="cpu", dtype=torch.bfloat16)
+    assert half is not full and half.dtype == torch.bfloat16
+    assert torch.equal(target.generate(**gen, drafter_dtype="float32"), ref)
+    assert half.dtype == torch.bfloat16 and full.dtype == torch.float32
 
 
 def test_config_names_the_drafter_outside_settings():

@@ -90,15 +90,16 @@ def drafter_conflict(drafter, max_length: int) -> str | None:
     return None
 
 
-def _check_settings(model, drafter, tree_budget, tree_width, tree_depth, tree_waves, denoise_steps=None):
+def _check_settings(model, drafter, tree_budget, tree_width, tree_depth, tree_waves, denoise_steps=None, dtype=None):
     if drafter is None:
         raise ValueError(
             'decoding="speculative" needs a drafter: pass drafter=<a drafter object, folder, Hub repo id or shipped '
             'alias> (hf_paralleldecode.load_drafter(...), DraftHead.for_target(model), "default-deer"), or load a '
             "bundle with hfpd.load_model(dir) that names one."
         )
-    drafter = load_drafter(drafter)
-    drafter.check_target(model)
+    # a path: the drafter cached for this device and dtype (never moved); checked against the model, whose depth
+    # its taps may depend on
+    drafter = load_drafter(drafter, device=model.device, dtype=dtype or model.dtype).bind(model)
     _check_tree(tree_budget, tree_width, tree_depth, tree_waves, denoise_steps=denoise_steps)
     depth = drafter.default_depth if tree_depth is None else tree_depth
     drafter.check_settings(depth, tree_waves, denoise_steps)
@@ -440,7 +441,8 @@ def speculative(
             ``denoise_steps``, 1 = DEER's one step); each further step unmasks the most confident
             remaining positions.
         drafter_dtype: the dtype the drafter runs in (``"bfloat16"``, ``"float16"``, ``"float32"``, a
-            ``torch.dtype``, or ``"target"``: the model's); the drafter is cast to it in place. The draft
+            ``torch.dtype``, or ``"target"``: the model's); a drafter object (given, or the model's attached one) is cast
+            to it in place, a drafter folder loads the copy cached for that dtype. The draft
             only proposes, so the output does not depend on it (greedy stays exact). Default: the device
             preset's: ``"bfloat16"`` on CPUs with native bf16 matrix units (AVX512-BF16 / AMX), where a
             drafter forward costs about half of an fp32 one, else ``"target"``.
@@ -467,12 +469,13 @@ def speculative(
     check_drafter_dtype(drafter_dtype)
     preset, resolved = preset_settings(model, "speculative", tree_budget=tree_budget, drafter_dtype=drafter_dtype)
     tree_budget = resolved["tree_budget"]
-    drafter, depth = _check_settings(model, drafter, tree_budget, tree_width, tree_depth, tree_waves, denoise_steps)
+    dtype = drafter_run_dtype(resolved["drafter_dtype"], model)
+    drafter, depth = _check_settings(model, drafter, tree_budget, tree_width, tree_depth, tree_waves, denoise_steps,
+                                     dtype)
     reason = drafter_conflict(drafter, int(generation_config.max_length))
     if reason is not None:
         raise ValueError(f"decoding='speculative' {reason}")
-    dtype = drafter_run_dtype(resolved["drafter_dtype"], model)
-    if drafter.device != model.device or drafter.dtype != dtype:
+    if drafter.device != model.device or drafter.dtype != dtype:  # a drafter object given or attached: in place
         drafter.to(device=model.device, dtype=dtype)
     vocab = target_vocab_size(model)
     settings = dict(tree_budget=tree_budget, tree_width=tree_width, tree_depth=depth, context_matches=context_matches,

@@ -36,6 +36,8 @@ from ..compat import (
     GenerationMode,
     attn_implementation,
     default_cache,
+    generate_model_inputs,
+    generated_max_length,
     has_recurrent_state,
     length_dependent_rope,
     sharded_across_processes,
@@ -182,16 +184,13 @@ def model_inputs_conflict(model_inputs: dict, model=None, decoding=None) -> str 
 
 def _unknown_settings(keys: list[str], model, settings: list[str]) -> str | None:
     """Keys that look like settings rather than model inputs: a setting of another decoding, a near miss of one
-    of this decoding's ``settings``, or a name ``model.forward`` cannot take at all."""
+    of this decoding's ``settings``, or a name stock ``generate`` would not take as an input of ``model``."""
     from ..registry import available_decodings, decoding_settings, unknown_settings_hint
 
-    params = inspect.signature(model.forward).parameters.values()
-    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
-    names = {p.name for p in params}
+    inputs = generate_model_inputs(model)
     others = {d: decoding_settings(d) for d in available_decodings()}
     elsewhere = {k: [d for d, ds in others.items() if k in ds] for k in keys}
-    unknown = [k for k in keys if elsewhere[k] or unknown_settings_hint([k], settings)
-               or not (takes_any or k in names)]
+    unknown = [k for k in keys if elsewhere[k] or unknown_settings_hint([k], settings) or k not in inputs]
     if not unknown:
         return None
     hint = unknown_settings_hint(unknown, settings)
@@ -199,7 +198,7 @@ def _unknown_settings(keys: list[str], model, settings: list[str]) -> str | None
                       if ds and k in unknown)
     listed = f" Its settings: {', '.join(settings)}." if settings else ""
     return (f"got unknown setting(s) {unknown}{hint}: not settings of this decoding"
-            f"{' (' + where + ')' if where else ''}, and not inputs of {type(model).__name__}.forward.{listed}")
+            f"{' (' + where + ')' if where else ''}, and not inputs of {type(model).__name__}.{listed}")
 
 
 def distributed_conflict(model, synced_gpus) -> str | None:
@@ -214,18 +213,12 @@ def distributed_conflict(model, synced_gpus) -> str | None:
     return None
 
 
-def call_max_length(generation_config, input_length: int | None) -> int:
-    """``max_length`` as ``generate`` resolves it: prompt + ``max_new_tokens`` when that is set."""
-    if generation_config.max_new_tokens is not None and input_length is not None:
-        return int(input_length) + int(generation_config.max_new_tokens)
-    return int(generation_config.max_length)
-
-
-def call_conflict(model, strategy, kwargs: dict, input_length: int | None = None, drafter=None) -> str | None:
+def call_conflict(model, strategy, kwargs: dict, input_length: int = 1, drafter=None) -> str | None:
     """Why ``model.generate(decoding=..., **kwargs)`` cannot run ``strategy``, checked before transformers
     prepares anything (the generation config is merged as ``generate`` will merge it). The strategies run the
     same checks (``base.start``), so a checkpoint's default decoding steps aside exactly when it would refuse.
-    ``input_length``: the prompt's length (padding included), for the checks that depend on ``max_length``;
+    ``input_length``: the prompt's length (padding included; 1 for a call without a prompt, which ``generate``
+    starts from one BOS token per row), for the checks that depend on ``max_length``;
     ``drafter``: the drafter the call will use (given or attached), for a strategy with a ``drafter_conflict``."""
     reason = model_conflict(model) or distributed_conflict(model, kwargs.get("synced_gpus"))
     if reason:
@@ -239,7 +232,7 @@ def call_conflict(model, strategy, kwargs: dict, input_length: int | None = None
         return "needs input_ids; inputs_embeds are not supported."
     gc = copy.deepcopy(kwargs.get("generation_config") or model.generation_config)
     gc.update(**{k: v for k, v in kwargs.items() if hasattr(gc, k)})
-    max_length = call_max_length(gc, input_length)
+    max_length = generated_max_length(model, gc, input_length)
     from .cache import prepare_cache
 
     given = user_cache(kwargs)

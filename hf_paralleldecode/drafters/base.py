@@ -75,6 +75,22 @@ class Drafter:
         """``ValueError`` naming the mismatch when ``target`` is not a model this drafter drafts for."""
         raise NotImplementedError
 
+    def bind(self, target):
+        """Check ``target`` (:meth:`check_target`) and borrow what the drafter reads of it (embeddings, LM head, its
+        depth); returns self. What :attr:`tap_layers` names may depend on it (an EAGLE-3 checkpoint that records
+        no taps)."""
+        self.check_target(target)
+        return self
+
+    def copy_to(self, device=None, dtype=None):
+        """A copy of the drafter that shares no weights or state with this one, on ``device`` / ``dtype`` (unbound: what
+        this one borrowed from its target, if anything, is not copied)."""
+        import copy
+
+        borrowed = self.__dict__.get("_target")
+        twin = copy.deepcopy(self, {id(borrowed): []} if borrowed is not None else {})
+        return twin.to(device=device, dtype=dtype)
+
     def check_length(self, max_length: int) -> None:
         """``ValueError`` when the drafter cannot draft a generation of ``max_length`` tokens."""
 

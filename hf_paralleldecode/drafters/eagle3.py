@@ -13,6 +13,16 @@ What it is
     pre-norm decoder layers. ``lm_head`` maps the final norm to a *draft vocabulary* of ``Vd`` tokens;
     ``d2t`` maps draft ids to target ids (``target = draft + d2t[draft]``), so ``q`` is zero outside it.
 
+Taps a checkpoint does not record (decision)
+    The EAGLE authors' checkpoints (``LlamaForCausalLMEagle3``, ``midlayer.*``) name no tapped layers: their
+    target code (``modeling_llama_kv``) and vLLM (``get_eagle3_aux_hidden_state_layers``) take the residual
+    stream *entering* decoder layers ``2``, ``L // 2`` and ``L - 3`` of the target at hand, in layer order,
+    each once (hidden-state indices, where index 0 is the embeddings). In this project's convention (output of
+    layer ``i``) those are the outputs of layers ``1``, ``L // 2 - 1`` and ``L - 4``
+    (:func:`reference_tap_layers`). Such a drafter keeps ``target_layer_ids = None`` and applies the rule to the
+    target it is bound to (:meth:`Eagle3Drafter.bind`; ``check_target`` refuses a target too shallow for three
+    distinct taps); an export writes the ids of the bound target.
+
 Slots (one layout for training and inference: :func:`ttt_step_mask`, :meth:`Eagle3Drafter.forward`)
     A slot pairs ``g_t`` (features of committed position ``t``) with token ``x_{t+1}`` at RoPE position
     ``t`` and predicts ``x_{t+2}``. The last committed token (the root) sits in the *root slot*
@@ -41,18 +51,30 @@ from .base import CardSaving, Drafter, DrafterState, register_drafter_kind
 from .formats import PROJECT_KEY, DrafterFormat, hs_to_layer_ids, layer_settings, load_strict, read_tensors
 from .head import _target_facts, default_target_layer_ids
 
-__all__ = ["Eagle3Config", "Eagle3Drafter", "EAGLE3_FORMATS", "ttt_step_mask"]
+__all__ = ["Eagle3Config", "Eagle3Drafter", "EAGLE3_FORMATS", "ttt_step_mask", "reference_tap_layers"]
 
 LAYER_TYPES = ("llama", "qwen3")  # the drafter layer's family: qwen3 adds q_norm / k_norm
+#: target layers EAGLE-3's reference rule fuses (:func:`reference_tap_layers`)
+REFERENCE_TAPS = 3
+
+
+def reference_tap_layers(num_layers: int) -> list[int]:
+    """EAGLE-3's default taps for a target of ``num_layers`` decoder layers, as output-of-layer ids: the residual
+    stream entering layers ``2``, ``L // 2``, ``L - 3`` (each once, in layer order) is the output of the layer
+    before. A shallow target can give fewer than :data:`REFERENCE_TAPS` ids, or ``-1`` (the embeddings): callers
+    check."""
+    inputs = sorted({2, num_layers // 2, num_layers - 3} & set(range(num_layers)))
+    return [i - 1 for i in inputs]
 
 
 class Eagle3Config(PretrainedConfig):
     """Configuration of an :class:`Eagle3Drafter` and of the target it drafts for.
 
     Args:
-        target_layer_ids: target layers (output of layer ``i``) whose outputs are fused; EAGLE's default
-            is the inputs of layers ``2``, ``L // 2`` and ``L - 3``.
-        target_hidden_size: the target's hidden size (``fc`` reads ``len(target_layer_ids)`` of them).
+        target_layer_ids: target layers (output of layer ``i``) whose outputs are fused; ``None``: not recorded
+            (the EAGLE authors' checkpoints), EAGLE-3's reference rule for the target the drafter is bound to
+            (:func:`reference_tap_layers`: the inputs of layers ``2``, ``L // 2`` and ``L - 3``).
+        target_hidden_size: the target's hidden size (``fc`` reads :attr:`num_taps` of them).
         target_vocab_size: the target's vocabulary size (``None``: unknown, checked through ``d2t``).
         target_num_hidden_layers: the target's decoder layers (``None``: unknown).
         target_model_type: the target's ``model_type``.
@@ -93,7 +115,7 @@ class Eagle3Config(PretrainedConfig):
                  default_depth: int = 6, initializer_range: float = 0.02, **kwargs):
         if layer_type not in LAYER_TYPES:
             raise ValueError(f"`layer_type` must be one of {LAYER_TYPES}, got {layer_type!r}.")
-        self.target_layer_ids = list(target_layer_ids) if target_layer_ids is not None else [0]
+        self.target_layer_ids = list(target_layer_ids) if target_layer_ids is not None else None
         self.target_hidden_size = int(target_hidden_size)
         self.target_vocab_size = target_vocab_size
         self.target_num_hidden_layers = target_num_hidden_layers
@@ -123,10 +145,16 @@ class Eagle3Config(PretrainedConfig):
         for name in ("num_hidden_layers", "default_depth"):
             if getattr(self, name) < 1:
                 raise ValueError(f"`{name}` must be an integer >= 1, got {getattr(self, name)}.")
-        if not self.target_layer_ids or min(self.target_layer_ids) < 0 or (
-                target_num_hidden_layers is not None and max(self.target_layer_ids) >= target_num_hidden_layers):
-            raise ValueError(f"target_layer_ids {self.target_layer_ids} must be non-empty and within the target's layers.")
+        ids = self.target_layer_ids
+        if ids is not None and (not ids or min(ids) < 0 or (
+                target_num_hidden_layers is not None and max(ids) >= target_num_hidden_layers)):
+            raise ValueError(f"target_layer_ids {ids} must be non-empty and within the target's layers.")
         super().__init__(**kwargs)
+
+    @property
+    def num_taps(self) -> int:
+        """Target layers ``fc`` fuses: the recorded ones, else the three of EAGLE-3's reference rule."""
+        return len(self.target_layer_ids) if self.target_layer_ids is not None else REFERENCE_TAPS
 
     @property
     def reduced_vocab(self) -> bool:
@@ -259,22 +287,17 @@ def _eagle3_settings(fmt: DrafterFormat, c: dict, folder, tensors: dict) -> dict
     if layer_type not in LAYER_TYPES:
         raise ValueError(f"{folder}: this {fmt.name} drafter's layers are {layer_type!r}; supported: {LAYER_TYPES}.")
     sizes = layer_settings(layer, fmt.name, folder)
-    layers = own.get("target_num_hidden_layers")
-    if taps is None:
-        if layers is None:
-            raise ValueError(f"{folder}: this {fmt.name} drafter does not record its tapped layers "
-                             "(eagle_aux_hidden_state_layer_ids); EAGLE's default depends on the target's layer count. "
-                             "Add eagle_config.eagle_aux_hidden_state_layer_ids (output of layer i, as SpecForge "
-                             "writes them) to its config.json.")
-        taps = [1, layers // 2 - 1, layers - 4]  # EAGLE's default: hidden-state indices 2, L // 2, L - 3
+    # taps None (the EAGLE authors' checkpoints record none): the reference rule for the bound target (module docstring)
     draft_vocab = int(c.get("draft_vocab_size") or tensors.get("lm_head.weight", torch.empty(0)).shape[0] or vocab)
     if "t2d" in tensors:
         vocab = int(tensors["t2d"].shape[0])
     target_hidden = int(c.get("target_hidden_size") or sizes["hidden_size"])
     fc = tensors.get("fc.weight")
-    if fc is not None and fc.shape[1] != len(taps) * target_hidden:
-        raise ValueError(f"{folder}: fc reads {fc.shape[1]} features but the config names {len(taps)} tapped layers of "
-                         f"{target_hidden}.")
+    count = len(taps) if taps is not None else REFERENCE_TAPS
+    if fc is not None and fc.shape[1] != count * target_hidden:
+        named = (f"the config names {count} tapped layers" if taps is not None else
+                 f"the config records no tapped layers, and EAGLE-3's reference rule taps {count}")
+        raise ValueError(f"{folder}: fc reads {fc.shape[1]} features but {named} of {target_hidden}.")
     settings = dict(target_layer_ids=taps, target_hidden_size=target_hidden, target_vocab_size=vocab,
                     target_name_or_path=verifier, draft_vocab_size=draft_vocab, layer_type=layer_type,
                     own_embeddings="embed_tokens.weight" in tensors, fc_bias="fc.bias" in tensors,
@@ -300,7 +323,7 @@ class Eagle3Drafter(CardSaving, Drafter, HeadPreTrainedModel):
     def __init__(self, config: Eagle3Config):
         super().__init__(config)
         c = config
-        k = len(c.target_layer_ids)
+        k = c.num_taps
         if c.norm_before_fc:
             self.input_norm = _RMSNorm(k * c.target_hidden_size, c.rms_norm_eps)
         if c.fc_norm:
@@ -343,7 +366,7 @@ class Eagle3Drafter(CardSaving, Drafter, HeadPreTrainedModel):
             else target_model.config
         L = facts["target_num_hidden_layers"]
         if target_layer_ids is None:
-            target_layer_ids = sorted({1, L // 2 - 1, L - 4}) if L >= 8 else default_target_layer_ids(L, 3)
+            target_layer_ids = reference_tap_layers(L) if L >= 8 else default_target_layer_ids(L, 3)
         heads = getattr(cfg, "num_attention_heads", 4)
         rope = dict(getattr(cfg, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0})
         kwargs = dict(target_layer_ids=target_layer_ids, num_hidden_layers=num_hidden_layers,
@@ -387,8 +410,17 @@ class Eagle3Drafter(CardSaving, Drafter, HeadPreTrainedModel):
         wrong = [f"{key[len('target_'):].replace('_', ' ')}: drafter expects {getattr(c, key)}, target has {value}"
                  for key, value in facts.items()
                  if key != "target_model_type" and getattr(c, key) is not None and getattr(c, key) != value]
-        if max(c.target_layer_ids) >= facts["target_num_hidden_layers"]:
-            wrong.append(f"tapped layers {c.target_layer_ids}: the target has {facts['target_num_hidden_layers']} layers")
+        layers = facts["target_num_hidden_layers"]
+        if c.target_layer_ids is None:
+            taps = reference_tap_layers(layers)
+            if len(taps) != c.num_taps or min(taps) < 0:
+                raise ValueError(
+                    f"This EAGLE-3 drafter records no tapped layers, and EAGLE-3's reference rule (the inputs of layers "
+                    f"2, L // 2 and L - 3) does not give {c.num_taps} distinct layers for a target with {layers} layers. "
+                    "Use a drafter trained for this target, or add its taps to the drafter's config.json "
+                    "(eagle_config.eagle_aux_hidden_state_layer_ids, output of layer i).")
+        elif max(c.target_layer_ids) >= layers:
+            wrong.append(f"tapped layers {c.target_layer_ids}: the target has {layers} layers")
         if c.reduced_vocab and int(self.draft_token_ids().max()) >= facts["target_vocab_size"]:
             wrong.append(f"draft vocabulary maps to ids past the target's {facts['target_vocab_size']}")
         if wrong:
@@ -442,7 +474,17 @@ class Eagle3Drafter(CardSaving, Drafter, HeadPreTrainedModel):
     # ---- the Drafter interface -------------------------------------------------------------------------
     @property
     def tap_layers(self) -> list[int]:
-        return list(self.config.target_layer_ids)
+        """The fused target layers: the recorded ones, else EAGLE-3's reference rule for the bound target (or the
+        recorded target depth)."""
+        c = self.config
+        if c.target_layer_ids is not None:
+            return list(c.target_layer_ids)
+        layers = _target_facts(self._target[0])["target_num_hidden_layers"] if self._target else \
+            c.target_num_hidden_layers
+        if layers is None:
+            raise ValueError("This EAGLE-3 drafter records no tapped layers: EAGLE-3's reference rule takes them from "
+                             "the target's depth. Bind it to its target first: drafter.bind(target_model).")
+        return reference_tap_layers(layers)
 
     @property
     def default_depth(self) -> int:
@@ -489,7 +531,8 @@ class Eagle3Drafter(CardSaving, Drafter, HeadPreTrainedModel):
         return ("---\nlibrary_name: hf_paralleldecode\ntags:\n- speculative-decoding\n- eagle3\n"
                 + (f"base_model: {c.target_name_or_path}\n" if c.target_name_or_path else "") + "---\n\n"
                 f"# EAGLE-3 drafter\n\nA {c.num_hidden_layers}-layer EAGLE-3 drafter for "
-                f"`{c.target_name_or_path or c.target_model_type}` (fused target layers {c.target_layer_ids}, draft "
+                f"`{c.target_name_or_path or c.target_model_type}` (fused target layers "
+                f"{c.target_layer_ids or 'by the EAGLE-3 reference rule'}, draft "
                 f"vocabulary {c.draft_vocab_size}).\n\n```python\nimport hf_paralleldecode as hfpd\n\n"
                 "target = hfpd.load_model(TARGET)\nout = target.generate(**inputs, decoding=\"speculative\", "
                 "drafter=DRAFTER)\n```\n")

@@ -156,19 +156,18 @@ def _write(directory: Path, config: dict, tensors: dict) -> Path:
     return directory
 
 
-def export_drafter(drafter, directory, format: str = "speculators", verifier=None, **kwargs) -> Path:
+def export_drafter(drafter, directory, format: str = "speculators", verifier=None, *,
+                   verifier_name_or_path=None) -> Path:
     """Write ``drafter`` (a :class:`~hf_paralleldecode.DraftHead` or an EAGLE-3 drafter) in ``format`` to
     ``directory``; return the directory. Heads: :data:`EXPORT_FORMATS`; EAGLE-3: :data:`EAGLE3_EXPORT_FORMATS`.
 
-    ``verifier``: the target (model, folder or Hub repo id) a ``speculators`` export names; default: the
-    drafter's ``target_name_or_path`` (refused when it does not load).
+    ``verifier`` (or ``verifier_name_or_path``, speculators' name for it): the target (model, folder or Hub repo
+    id) a ``speculators`` export names; default: the drafter's ``target_name_or_path`` (refused when it does not
+    load).
     """
     from .eagle3 import Eagle3Drafter
 
-    if "verifier_name_or_path" in kwargs:
-        verifier = kwargs.pop("verifier_name_or_path") if verifier is None else verifier
-    if kwargs:
-        raise ValueError(f"export_drafter got unknown arguments {sorted(kwargs)}.")
+    verifier = _one_verifier("export_drafter", verifier, verifier_name_or_path)
     directory = Path(directory)
     if isinstance(drafter, Eagle3Drafter):
         if format not in EAGLE3_EXPORT_FORMATS:
@@ -190,7 +189,7 @@ def _eagle3_config(drafter, format: str, verifier) -> dict:
         layer = _layer_config(c, drafter.dtype, "llama", ("LlamaForCausalLMEagle3",))
         layer.update(draft_vocab_size=c.draft_vocab_size, target_hidden_size=c.target_hidden_size,
                      norm_before_residual=c.norm_before_residual,
-                     eagle_config={"eagle_aux_hidden_state_layer_ids": list(c.target_layer_ids),
+                     eagle_config={"eagle_aux_hidden_state_layer_ids": drafter.tap_layers,
                                    "use_aux_hidden_state": True}, **facts)
         return layer
     layer = _layer_config(c, drafter.dtype, c.layer_type, ("LlamaForCausalLM" if c.layer_type == "llama"
@@ -199,7 +198,7 @@ def _eagle3_config(drafter, format: str, verifier) -> dict:
         "architectures": ["Eagle3DraftModel"], "speculators_model_type": "eagle3", "speculators_version": "0.9.0",
         "transformer_layer_config": layer, "draft_vocab_size": c.draft_vocab_size,
         "target_hidden_size": c.target_hidden_size,
-        "eagle_aux_hidden_state_layer_ids": [i + 1 for i in c.target_layer_ids],
+        "eagle_aux_hidden_state_layer_ids": [i + 1 for i in drafter.tap_layers],
         "norm_before_residual": c.norm_before_residual, "norm_before_fc": c.norm_before_fc, "fc_norm": c.fc_norm,
         "norm_output": c.norm_output, "embed_requires_grad": False, "tie_word_embeddings": False,
         "dtype": layer["dtype"],
@@ -221,15 +220,20 @@ def _eagle3_weights(drafter, format: str) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def export_draft_head(head, directory, format: str = "transformers", verifier=None, **kwargs) -> Path:
+def _one_verifier(caller: str, verifier, verifier_name_or_path):
+    if verifier is not None and verifier_name_or_path is not None:
+        raise TypeError(f"{caller}() got both verifier= and verifier_name_or_path= (two names of one argument); pass "
+                        "one of them.")
+    return verifier if verifier is not None else verifier_name_or_path
+
+
+def export_draft_head(head, directory, format: str = "transformers", verifier=None, *,
+                      verifier_name_or_path=None) -> Path:
     """Write a draft ``head`` in ``format`` (one of :data:`EXPORT_FORMATS`) to ``directory``; return the directory.
 
-    ``verifier``: see :func:`export_drafter` (``speculators`` only).
+    ``verifier`` / ``verifier_name_or_path``: see :func:`export_drafter` (``speculators`` only).
     """
-    if "verifier_name_or_path" in kwargs:
-        verifier = kwargs.pop("verifier_name_or_path") if verifier is None else verifier
-    if kwargs:
-        raise ValueError(f"export_draft_head got unknown arguments {sorted(kwargs)}.")
+    verifier = _one_verifier("export_draft_head", verifier, verifier_name_or_path)
     if format not in EXPORT_FORMATS:
         raise ValueError(f"Unknown export format {format!r}; choose one of {EXPORT_FORMATS}.")
     c = head.config

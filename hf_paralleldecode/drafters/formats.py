@@ -12,8 +12,9 @@ to this project's: the *output of decoder layer i* (transformers' DFlash ``targe
     * ``speculators`` (``aux_hidden_state_layer_ids``, ``eagle_aux_hidden_state_layer_ids``) and vLLM:
       hidden-state index ``k`` = output of layer ``k - 1`` (index 0, the embeddings, cannot be tapped);
     * the original EAGLE-3 layout: ``eagle_config.eagle_aux_hidden_state_layer_ids`` as SpecForge and
-      SGLang write them (output of layer ``i``); without ids, EAGLE's default taps, hidden-state
-      indices ``2, L // 2, L - 3`` (which need the target's layer count).
+      SGLang write them (output of layer ``i``); without ids (the EAGLE authors' checkpoints), EAGLE's
+      reference taps, hidden-state indices ``2, L // 2, L - 3`` of the target the drafter is bound to
+      (:func:`~.eagle3.reference_tap_layers`).
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from . import diffusion, eagle3, head  # noqa: F401 - each registers its kind
 from .base import DRAFTER_KINDS, Drafter, shipped_drafter_dir
 from .formats import read_config, resolve_folder
 
-__all__ = ["load_drafter", "recognise", "DRAFTER_DTYPES", "check_drafter_dtype", "drafter_run_dtype"]
+__all__ = ["load_drafter", "own_drafter", "recognise", "DRAFTER_DTYPES", "check_drafter_dtype", "drafter_run_dtype"]
 
 
 DRAFTER_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -67,13 +67,16 @@ def recognise(folder) -> tuple[type, object, dict]:
                      + "; ".join(known) + ".")
 
 
-def load_drafter(drafter, *, subfolder: str | None = None, cache: bool = True, **hub_kwargs) -> Drafter:
+def load_drafter(drafter, *, subfolder: str | None = None, cache: bool = True, device=None, dtype=None,
+                 **hub_kwargs) -> Drafter:
     """A drafter object as given, or loaded from a folder, a Hub repo id, a ``(repo id, subfolder)`` pair of a
     bundle or a shipped alias (``"default-jetspec"``, ``"default-dflash"``, ``"default-deer"``,
     ``"default-eagle3"``), in any format the drafter kinds read (module docstring).
 
-    Local folders and aliases are loaded once per folder content (``cache=False`` loads anew); a
-    folder rewritten on disk loads again. ``hub_kwargs``: ``revision``, ``token``.
+    ``device`` / ``dtype``: where a loaded drafter is put (an object is returned as given). Local folders and
+    aliases are loaded once per folder content, device and dtype (``cache=False`` loads anew); a folder
+    rewritten on disk loads again. The library never moves a cached drafter: a call that needs another device or
+    dtype gets its own. ``hub_kwargs``: ``revision``, ``token``.
     """
     if isinstance(drafter, Drafter):
         return drafter
@@ -86,13 +89,14 @@ def load_drafter(drafter, *, subfolder: str | None = None, cache: bool = True, *
         )
     unknown = sorted(set(hub_kwargs) - {"revision", "token"})
     if unknown:
-        raise ValueError(f"load_drafter takes revision= and token= for Hub downloads; got {unknown}.")
+        raise TypeError(f"load_drafter() got unexpected keyword argument(s) {unknown}; it takes revision= and token= "
+                        "for Hub downloads.")
     folder = shipped_drafter_dir(str(drafter))
     if folder is None:
         folder = resolve_folder(drafter, subfolder, **hub_kwargs)
     if not folder.is_dir():
         raise ValueError(f"drafter={str(drafter)!r}: {folder} is not a folder.")
-    key = _loaded_key(folder) if cache else None
+    key = (_loaded_key(folder), str(device), str(dtype)) if cache else None
     if key is not None and key in _LOADED:
         return _LOADED[key]
     cls, fmt, config = recognise(folder)
@@ -102,12 +106,23 @@ def load_drafter(drafter, *, subfolder: str | None = None, cache: bool = True, *
         raise  # already names the format and the problem
     except Exception as err:  # noqa: BLE001 - any other failure is a bad checkpoint, reported with its cause
         raise ValueError(f"Could not load {folder} as a {fmt.name} checkpoint: {type(err).__name__}: {err}") from err
+    if device is not None or dtype is not None:
+        loaded.to(device=device, dtype=dtype)
     if key is not None:
         _LOADED[key] = loaded
     return loaded
 
 
-#: drafters loaded from a local folder or a shipped alias, by folder and the folder's file times: a
+def own_drafter(drafter, model, **hub_kwargs) -> Drafter:
+    """A drafter of ``model``'s own, on its device and dtype: loaded anew from a path (:func:`load_drafter`'s), or a
+    copy of a drafter object (the object given is left as it is). What a model attaches: no other model's drafter
+    ever changes with it (a run's ``drafter_dtype`` casts the attached drafter in place)."""
+    if isinstance(drafter, Drafter):
+        return drafter.copy_to(device=model.device, dtype=model.dtype)
+    return load_drafter(drafter, cache=False, device=model.device, dtype=model.dtype, **hub_kwargs)
+
+
+#: drafters loaded from a local folder or a shipped alias, by folder, the folder's file times, device and dtype: a
 #: ``generate(drafter="default-deer")`` in a loop loads it once, and a folder rewritten on disk loads again
 _LOADED: dict = {}
 

@@ -192,12 +192,12 @@ class DrafterTrainer(TrainerHooks, Trainer):
         pad = target_model.generation_config.pad_token_id
         return pad if pad is not None else 0
 
-    def freeze_target(self, target_model, layer_ids) -> None:
+    def freeze_target(self, target_model) -> None:
         """After ``Trainer.__init__``: the target on the training device, frozen, lent to the drafter, with taps on
-        ``layer_ids`` (never wrapped by the accelerator: every process holds a full copy)."""
+        the drafter's tapped layers (never wrapped by the accelerator: every process holds a full copy)."""
         self.target = target_model.to(self.args.device).eval().requires_grad_(False)
-        self.accelerator.unwrap_model(self.model).bind(self.target)
-        self._taps = HiddenStateTaps(self.target, layer_ids)
+        drafter = self.accelerator.unwrap_model(self.model).bind(self.target)
+        self._taps = HiddenStateTaps(self.target, drafter.tap_layers)
 
     def count_items_in_batch(self, batch_samples, device):
         if not batch_samples:
@@ -253,7 +253,7 @@ class DraftHeadDistillationTrainer(DrafterTrainer):
         if data_collator is None and args is not None:
             data_collator = DraftHeadCollator(model.config.block_size, args.max_anchors, args.gamma, pad, seed=args.seed)
         super().__init__(model=model, args=args, data_collator=data_collator, **kwargs)
-        self.freeze_target(target_model, model.config.target_layer_ids)
+        self.freeze_target(target_model)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         head = self.accelerator.unwrap_model(model)

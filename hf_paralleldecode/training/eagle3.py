@@ -140,7 +140,7 @@ class Eagle3DistillationTrainer(DrafterTrainer):
         if data_collator is None and args is not None:
             data_collator = Eagle3Collator(args.ttt_steps, args.step_loss_decay, pad)
         super().__init__(model=model, args=args, data_collator=data_collator, **kwargs)
-        self.freeze_target(target_model, model.config.target_layer_ids)
+        self.freeze_target(target_model)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         drafter = self.accelerator.unwrap_model(model)
