@@ -194,6 +194,7 @@ NOT_TRANSFORMERS = {
     "_is_avx512_bf16_supported": "torch.cpu probe (hardware.py)",
     "_is_amx_tile_supported": "torch.cpu probe (hardware.py)",
     "_hfpd_drafter": "the library's own attribute on a model (integration.py)",
+    "_hfpd_target_key": "the library's own attribute on a model naming it for the batch policy's measurements (decoding/policy.py)",
     "_orig_mod": "the module torch.compile wraps (integration.py refuses the wrapper, naming it)",
     "_forward_hooks": "torch.nn.Module hooks (decoding/target.py: the greedy head notices a new hook)",
     "_forward_pre_hooks": "torch.nn.Module hooks (decoding/target.py)",

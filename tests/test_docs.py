@@ -10,7 +10,7 @@ import pytest
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 PAGES = ["getting-started.md", "methods/jacobi.md", "methods/lookahead.md", "methods/jacobi_forcing.md", "methods/speculative.md", "methods/deer.md",
          "methods/prompt_lookup.md", "training.md", "drafters.md",
-         "tree-budgets.md", "hardware.md", "batch-policy.md"]
+         "tree-budgets.md", "hardware.md", "batch-policy.md", "cost-twins.md"]
 
 
 def python_blocks(page: str) -> list[str]:
@@ -51,3 +51,31 @@ def test_readme_opens_with_the_two_commands_and_links_existing_pages():
     assert "python3 -m pytest -q" in (DOCS.parent / ".ci" / "run").read_text()
     for link in re.findall(r"\]\((docs/[^)#]+)", readme):
         assert (DOCS.parent / link).is_file(), link
+
+
+def _render_tables():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("render_tables", DOCS.parent / "scripts" / "render_tables.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_generated_tables_match_their_json():
+    """Every generated table (``<!-- table {...} -->`` blocks) equals what its JSON under docs/assets renders."""
+    render = _render_tables()
+    assert render.main(["--check"]) == 0
+    pages = [p for p in DOCS.rglob("*.md") if "<!-- table " in p.read_text()]
+    assert (DOCS / "benchmark.md") in pages
+
+
+def test_table_renderer_detects_an_edited_figure():
+    render = _render_tables()
+    text = (DOCS / "benchmark.md").read_text()
+    block = render.BLOCK.search(text)
+    assert block is not None
+    body = block.group(3)
+    edited = text.replace(body, body.replace("|", "| 9.99 |", 1), 1)
+    _, changed = render.render_text(edited)
+    assert changed and changed[0] == block.group(2)
