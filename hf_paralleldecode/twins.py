@@ -219,7 +219,7 @@ def cost_twin(model, shape="1b", *, dtype: torch.dtype | None = None, device=Non
                 "drafter) or use a token-level drafter (a DEER diffusion drafter)."
             )
         attach_drafter(twin, drafter if drafter.dtype == dtype and drafter.device == device else
-                       _drafter_copy(drafter, dtype, device))
+                       drafter.copy_to(device=device, dtype=dtype))
     return twin
 
 
@@ -227,12 +227,6 @@ def _reads_hidden_states(drafter) -> bool:
     from .drafters.head import DraftHead
 
     return isinstance(drafter, DraftHead)
-
-
-def _drafter_copy(drafter, dtype, device):
-    import copy
-
-    return copy.deepcopy(drafter).to(device=device, dtype=dtype)
 
 
 _ZERO_OUTSIDE = ("o_proj.weight", "o_proj.bias", "down_proj.weight", "down_proj.bias")

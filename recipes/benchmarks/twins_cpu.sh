@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The realistic-cost tables of the Performance page on a CPU: the 1B cost twins of both embedded models
+# (hf_paralleldecode.cost_twin; --model default-1b / default-trained-1b), beside stock (batched) generate and
+# transformers' prompt lookup in the same run. Writes docs/assets/twins/cpu/<section>/; render the page with
+# `python scripts/render_tables.py` afterwards. About an hour on 2 cores; ONLY="b1 roofline" runs some sections.
+#   bash recipes/benchmarks/twins_cpu.sh
+set -u
+cd "$(dirname "$0")/../.."
+OUT=${OUT_DIR:-docs/assets/twins/cpu}; mkdir -p "$OUT"
+SHAPE=${SHAPE:-1b}; NB1=${NB1:-8}; NB=${NB:-64}; TOK=${TOK:-64}; REP=${REP:-2}
+P=hf_paralleldecode/assets/prompts/stdlib_test_midfile.jsonl; P2="$P hf_paralleldecode/assets/prompts/stdlib_test.jsonl"
+BENCH="python3 -m hf_paralleldecode.cli bench --threads 2 --max-new-tokens $TOK --repeats $REP"
+# the shapes the batch policy chooses from, each run alone (the policy's regret is against the best of them)
+TREE="speculative:adaptive=false"
+C8="speculative:adaptive=false,tree_width=1,tree_depth=8,tree_budget=8,context_matches=0"
+C4="speculative:adaptive=false,tree_width=1,tree_depth=4,tree_budget=4,context_matches=0"
+C2="speculative:adaptive=false,tree_width=1,tree_depth=2,tree_budget=2,context_matches=0"
+want() { [ -z "${ONLY:-}" ] || [[ " $ONLY " == *" $1 "* ]]; }
+run() { local name=$1; shift; echo "=== $name $(date +%T)"; "$@" --output-dir "$OUT/$name" > "$OUT/$name.log" 2>&1
+        echo "rc=$? $(date +%T)"; grep -v "Loading\|bench:" "$OUT/$name.log" | tail -n 12; }
+for m in default-trained default; do
+  want b1 && run "b1_$m-$SHAPE" $BENCH --model "$m-$SHAPE" --dtype bfloat16 --prompts $P --num-prompts "$NB1" \
+    --batch-sizes 1 --strategies speculative $TREE $C8 $C4 transformers_prompt_lookup
+done
+for m in default-trained default; do
+  want batch && run "batch_$m-$SHAPE" $BENCH --model "$m-$SHAPE" --dtype bfloat16 --prompts $P2 --num-prompts "$NB" \
+    --batch-sizes 4 16 64 --strategies speculative $TREE $C4 $C2
+done
+for t in 0.8 0.3; do for m in default-trained default; do
+  want sample && run "sample_t${t}_$m-$SHAPE" $BENCH --model "$m-$SHAPE" --dtype bfloat16 --prompts $P \
+    --num-prompts "$NB1" --batch-sizes 1 --do-sample --temperature $t --strategies speculative transformers_prompt_lookup
+done; done
+for m in default-trained default; do
+  want fp32 && run "fp32_b1_$m-$SHAPE" $BENCH --model "$m-$SHAPE" --dtype float32 --prompts $P --num-prompts "$NB1" \
+    --batch-sizes 1 --strategies speculative $TREE transformers_prompt_lookup
+done
+if want roofline; then
+  for m in default default-$SHAPE; do for dt in bfloat16 float32; do
+    echo "=== roofline $m $dt $(date +%T)"
+    python3 scripts/gpu_roofline.py --model "$m" --dtype $dt --device cpu --threads 2 --repeats 3 --max-fed 256 \
+      --output "$OUT/roofline_${m}_$dt.json" > "$OUT/roofline_${m}_$dt.log" 2>&1; echo "rc=$?"
+  done; done
+fi
+echo "done $(date +%T)"
