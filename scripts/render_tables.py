@@ -21,7 +21,8 @@ whose text differs (the docs test runs it). Kinds:
   (``+ - * /``, parentheses, numbers) over references ``alias/key/key...`` (``a/results/ar/tokens_per_second``);
   a key holding ``/`` is written with ``%2F``. ``{expression}`` alone formats as ``str``. With a ``template`` (a
   list of cells), a row may be a dict: ``$name`` in the template's cells is replaced by the row's ``name`` first.
-  ``bold_best``: column indices; in each row the one whose leading figure is largest is set in bold.
+  ``bold_best``: column indices; in each row the one whose leading figure is largest is set in bold. An empty
+  cell is written ``| |``.
 """
 
 from __future__ import annotations
@@ -206,7 +207,7 @@ def render_grid(spec: dict) -> str:
             lead = {i: float(re.match(r"[\d.]+", cells[i]).group()) for i in best}
             top = max(lead, key=lead.get)
             cells[top] = re.sub(r"^([\d.]+x?)", r"**\1**", cells[top])
-        lines.append("| " + " | ".join(cells) + " |")
+        lines.append(re.sub(r"\|  (?=\|)", "| ", "| " + " | ".join(cells) + " |"))  # an empty cell is "| |"
     return "\n".join(lines) + "\n"
 
 
