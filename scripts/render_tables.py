@@ -19,10 +19,11 @@ whose text differs (the docs test runs it). Kinds:
 * ``grid``: any table: ``files`` names JSON files by alias, ``header`` the column titles and ``rows`` each row's
   cells, as text in which ``{expression:format}`` is replaced by its value. An expression is arithmetic
   (``+ - * /``, parentheses, numbers) over references ``alias/key/key...`` (``a/results/ar/tokens_per_second``);
-  a key holding ``/`` is written with ``%2F``. ``{expression}`` alone formats as ``str``. With a ``template`` (a
-  list of cells), a row may be a dict: ``$name`` in the template's cells is replaced by the row's ``name`` first.
-  ``bold_best``: column indices; in each row the one whose leading figure is largest is set in bold. An empty
-  cell is written ``| |``.
+  keys are percent-decoded, so a key holding ``/`` or a space, or ``-`` or parentheses other than a reference's
+  one ``(...)``, is written ``%2F``, ``%20``, ``%2D``, ``%28``/``%29``. ``{expression}`` alone formats as
+  ``str``. With a ``template`` (a list of cells), a row may be a dict: ``$name`` in the template's cells is
+  replaced by the row's ``name`` first. ``bold_best``: column indices; in each row the one whose leading figure is
+  largest is set in bold. An empty cell is written ``| |``.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import json
 import re
 import sys
 from pathlib import Path
+from urllib.parse import unquote
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 ASSETS = DOCS / "assets"
@@ -165,7 +167,7 @@ _CELL = re.compile(r"\{([^{}:]+)(?::([^{}]*))?\}")
 def _lookup(files: dict, alias: str, path: str):
     value = files[alias]
     for key in path.split("/"):
-        key = key.replace("%2F", "/")
+        key = unquote(key)
         value = value[int(key)] if isinstance(value, list) else value[key]
     return value
 
