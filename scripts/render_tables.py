@@ -200,7 +200,7 @@ def render_grid(spec: dict) -> str:
     lines = ["| " + " | ".join(spec["header"]) + " |", "|" + " --- |" * len(spec["header"])]
     for row in spec["rows"]:
         if isinstance(row, dict):  # a row of the spec's "template": "$name" in its cells is the row's "name"
-            row = [re.sub(r"\$(\w+)", lambda m: str(row[m.group(1)]), cell) for cell in spec["template"]]
+            row = [re.sub(r"\$(\w+)", lambda m, names=row: str(names[m.group(1)]), cell) for cell in spec["template"]]
         if len(row) != len(spec["header"]):
             raise ValueError(f"grid row {row!r} has {len(row)} cells, the header {len(spec['header'])}")
         cells = [cell(c) for c in row]
