@@ -76,18 +76,43 @@ BENCH_COLUMNS = {
 }
 
 
+def _settings(strategy: str) -> dict:
+    if "(" not in strategy:
+        return {}
+    return dict(kv.split("=", 1) for kv in strategy[strategy.index("(") + 1:-1].split(","))
+
+
 def _label(strategy: str) -> str:
+    """A reader's name for a bench entry: the shapes of the batch policy by what they are."""
     if strategy == AR:
         return "stock generate"
     if strategy == PL:
         return "transformers' prompt lookup"
-    return strategy
+    name = strategy.split("(")[0]
+    settings = _settings(strategy)
+    if name == "speculative" and set(settings) <= {"adaptive", "tree_width", "tree_depth", "tree_budget",
+                                                  "context_matches"}:
+        if not settings:
+            return "**default** (batch policy on)"
+        if settings.get("tree_width") == "1":
+            return f"chain of {settings['tree_depth']} alone"
+        if settings == {"adaptive": "False"}:
+            return "configured tree alone (`adaptive=False`)"
+    return f"`{strategy}`"
+
+
+def _order(strategy: str) -> tuple:
+    """Stock first, then the default, the configured tree, chains from the deepest, other entries, prompt lookup."""
+    settings = _settings(strategy)
+    rank = 5 if strategy == PL else 0 if strategy == AR else 1 if not settings else 2 if settings == {
+        "adaptive": "False"} else 3 if settings.get("tree_width") == "1" else 4
+    return rank, -int(settings.get("tree_depth", 0)), strategy
 
 
 def render_bench(spec: dict) -> str:
     report = _load(spec["file"])
     results = report["results"]
-    keep = spec.get("strategies") or list(results)
+    keep = spec.get("strategies") or sorted(results, key=_order)
     names = spec.get("names") or [_label(s) for s in keep]
     columns = spec.get("columns") or ["tpf", "tok_s", "vs_stock", "vs_pl", "exact"]
     if report.get("sampling") is not None and "exact" in columns:
@@ -104,7 +129,7 @@ def render_bench(spec: dict) -> str:
 
 
 def _shape_name(strategy: str) -> str:
-    settings = dict(kv.split("=") for kv in strategy[strategy.index("(") + 1:-1].split(",")) if "(" in strategy else {}
+    settings = _settings(strategy)
     if settings.get("tree_width") == "1":
         return f"chain of {settings['tree_depth']}"
     return "configured tree"
@@ -154,7 +179,8 @@ def render_twins(spec: dict) -> str:
              "agreeing tokens before the first difference |", "| --- | --- | --- | --- | --- | --- | --- |"]
     for rel in spec["files"]:
         for r in _load(rel)["rows"]:
-            lines.append(f"| {r['model']} | {r['like']} ({r['shape']}) | {r['dtype']} | {r['params'] / 1e9:.2f}B | "
+            model = {"default": "base", "default-trained": "JF model"}.get(r["model"], r["model"])
+            lines.append(f"| {model} | {r['like']} ({r['shape']}) | {r['dtype']} | {r['params'] / 1e9:.2f}B | "
                          f"{r['max_abs_logit_diff']:.1e} | {r['identical_rows']}/{r['prompts']} | "
                          f"{100 * r['prefix_agreement']:.0f}% |")
     return "\n".join(lines) + "\n"

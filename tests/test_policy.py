@@ -781,3 +781,16 @@ def test_a_step_much_faster_than_its_shapes_estimate_replaces_the_stale_window()
     policy._pending, policy._done = (0, b, time.perf_counter() - 0.25), True
     policy.close()
     assert len(policy.times[(b, 0)]) == 5
+
+
+def test_a_chain_must_beat_the_configured_tree_by_a_margin_to_replace_it():
+    """A chain's tokens are read off the tree's steps (how far the accepted path ran along first children), which
+    flatters a chain a little (on the base model's 1B twin at batch 1: predicted 0.65 of the tree's tokens, 0.61
+    run alone). In a close race the configured tree keeps the step; a chain clearly faster takes it."""
+    policy = BatchPolicy(shapes_from(4, 16, 20, True), explore_every=4)
+    b = BatchPolicy.bucket(1)
+    _measured(policy, b, seconds=[0.120, 0.100, 0.0765, 0.070, 0.082], relative=[0.72, 0.65, 0.53, 0.23])
+    assert 0.65 / 0.0765 > 1 / 0.120  # the chain of 4 is predicted 2% faster
+    assert policy.choose(1) == 0
+    policy.times[(b, 2)] = [0.070] * 4  # now 11% faster
+    assert policy.choose(1) == 2

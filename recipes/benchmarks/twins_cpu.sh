@@ -2,14 +2,15 @@
 # The realistic-cost tables of the Performance page on a CPU: the 1B cost twins of both embedded models
 # (hf_paralleldecode.cost_twin; --model default-1b / default-trained-1b), beside stock (batched) generate and
 # transformers' prompt lookup in the same run. Writes docs/assets/twins/cpu/<section>/; render the page with
-# `python scripts/render_tables.py` afterwards. About an hour on 2 cores; ONLY="b1 roofline" runs some sections.
+# `python scripts/render_tables.py` afterwards. About 70 minutes on 2 cores; ONLY="b1 roofline" runs some sections
+# (b1 batch sample fp32 roofline); REP (batch 1, greedy) and REPB (the rest) set the interleaved repeats.
 #   bash recipes/benchmarks/twins_cpu.sh
 set -u
 cd "$(dirname "$0")/../.."
 OUT=${OUT_DIR:-docs/assets/twins/cpu}; mkdir -p "$OUT"
-SHAPE=${SHAPE:-1b}; NB1=${NB1:-8}; NB=${NB:-64}; TOK=${TOK:-64}; REP=${REP:-2}
+SHAPE=${SHAPE:-1b}; NB1=${NB1:-8}; NB16=${NB16:-32}; NB=${NB:-64}; TOK=${TOK:-64}; REP=${REP:-2}; REPB=${REPB:-1}
 P=hf_paralleldecode/assets/prompts/stdlib_test_midfile.jsonl; P2="$P hf_paralleldecode/assets/prompts/stdlib_test.jsonl"
-BENCH="python3 -m hf_paralleldecode.cli bench --threads 2 --max-new-tokens $TOK --repeats $REP"
+BENCH="python3 -m hf_paralleldecode.cli bench --threads 2 --max-new-tokens $TOK"
 # the shapes the batch policy chooses from, each run alone (the policy's regret is against the best of them)
 TREE="speculative:adaptive=false"
 C8="speculative:adaptive=false,tree_width=1,tree_depth=8,tree_budget=8,context_matches=0"
@@ -20,20 +21,21 @@ run() { local name=$1; shift; echo "=== $name $(date +%T)"; "$@" --output-dir "$
         echo "rc=$? $(date +%T)"; grep -v "Loading\|bench:" "$OUT/$name.log" | tail -n 12; }
 for m in default-trained default; do
   want b1 && run "b1_$m-$SHAPE" $BENCH --model "$m-$SHAPE" --dtype bfloat16 --prompts $P --num-prompts "$NB1" \
-    --batch-sizes 1 --strategies speculative $TREE $C8 $C4 transformers_prompt_lookup
+    --batch-sizes 1 --repeats "$REP" --strategies speculative $TREE $C8 $C4 transformers_prompt_lookup
 done
-for m in default-trained default; do
-  want batch && run "batch_$m-$SHAPE" $BENCH --model "$m-$SHAPE" --dtype bfloat16 --prompts $P2 --num-prompts "$NB" \
-    --batch-sizes 4 16 64 --strategies speculative $TREE $C4 $C2
+for m in default-trained default; do  # batch 4 and 16 on 32 prompts, 64 on all 64
+  want batch && run "batch_$m-$SHAPE" $BENCH --model "$m-$SHAPE" --dtype bfloat16 --prompts $P2 --num-prompts "$NB16" \
+    --batch-sizes 4 16 --repeats "$REPB" --strategies speculative $TREE $C4 $C2
+  want batch && run "batch64_$m-$SHAPE" $BENCH --model "$m-$SHAPE" --dtype bfloat16 --prompts $P2 --num-prompts "$NB" \
+    --batch-sizes 64 --repeats "$REPB" --strategies speculative $TREE $C4 $C2
 done
 for t in 0.8 0.3; do for m in default-trained default; do
   want sample && run "sample_t${t}_$m-$SHAPE" $BENCH --model "$m-$SHAPE" --dtype bfloat16 --prompts $P \
-    --num-prompts "$NB1" --batch-sizes 1 --do-sample --temperature $t --strategies speculative transformers_prompt_lookup
+    --num-prompts "$NB1" --batch-sizes 1 --repeats "$REPB" --do-sample --temperature $t \
+    --strategies speculative transformers_prompt_lookup
 done; done
-for m in default-trained default; do
-  want fp32 && run "fp32_b1_$m-$SHAPE" $BENCH --model "$m-$SHAPE" --dtype float32 --prompts $P --num-prompts "$NB1" \
-    --batch-sizes 1 --strategies speculative $TREE transformers_prompt_lookup
-done
+want fp32 && run "fp32_b1_default-trained-$SHAPE" $BENCH --model "default-trained-$SHAPE" --dtype float32 --prompts $P \
+  --num-prompts "$NB1" --batch-sizes 1 --repeats "$REPB" --strategies speculative $TREE transformers_prompt_lookup
 if want roofline; then
   for m in default default-$SHAPE; do for dt in bfloat16 float32; do
     echo "=== roofline $m $dt $(date +%T)"
