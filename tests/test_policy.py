@@ -603,7 +603,7 @@ def test_a_new_larger_bucket_measures_only_the_shapes_whose_floor_leaves_hope():
     policy.times[(b, 4)] = [0.0203] * 2
     assert policy.floor(b, 0) == pytest.approx(0.0203 * 0.0892 / 0.0126)
     assert policy.hopeful(b, 32, 0, {4: 0.113 / 0.0203})
-    assert policy.choose(32) == 1  # the most hopeful first: the chain of 8 (0.657 over a floor of 92 ms)
+    assert policy.choose(32) == 3  # from 8 rows the narrowest hopeful shape first: the chain of 2
     # a growth below 1 (noise) is not carried forward: the slowest time at fewer rows stands (more rows are never faster)
     policy.times[(BatchPolicy.bucket(16), 1)] = [0.0400] * 4
     assert policy.floor(BatchPolicy.bucket(64), 1) == pytest.approx(0.0433)  # no plain step there yet
@@ -794,3 +794,22 @@ def test_a_chain_must_beat_the_configured_tree_by_a_margin_to_replace_it():
     assert policy.choose(1) == 0
     policy.times[(b, 2)] = [0.070] * 4  # now 11% faster
     assert policy.choose(1) == 2
+
+
+def test_a_large_batch_measures_the_narrowest_hopeful_chain_first_and_its_time_floors_the_wider_ones():
+    """At 64 rows a chain of 8 feeds 576 tokens: in a process that never saw a smaller batch, only the plain step
+    floors it. The narrowest chain is measured first, and the measured chains floor the wider ones (never faster; on
+    a convex curve, no cheaper per node), so a chain of 8 that cannot win is never measured."""
+    policy = BatchPolicy(shapes_from(4, 16, 20, True))
+    b = BatchPolicy.bucket(64)
+    policy.tokens = [100.0, 60.0, 45.0, 30.0, 15.0]
+    policy.own[0] = [100.0, 20.0]
+    policy.times[(b, 0)] = [3.0] * 2  # the tree: 3 s at 64 rows
+    policy.times[(b, 4)] = [0.5] * 2  # the plain step
+    assert policy.choose(64) == 3  # the chain of 2 first, not the (more promising on paper) chain of 8
+    policy.times[(b, 3)] = [1.0] * 2  # 0.30 / 1.0 loses to the plain step's 0.15 / 0.5 (with the margin)
+    assert policy.floor(b, 2) == 1.0  # the chain of 4 is never faster than the chain of 2
+    assert policy.choose(64) == 2  # 0.45 over that floor still beats 1.15 x 0.3: measured next
+    policy.times[(b, 2)] = [1.5] * 2
+    assert policy.floor(b, 1) == pytest.approx(1.5 + 4 * 0.5 / 2)  # 9 nodes: the slope from 3 to 5 nodes, extrapolated
+    assert policy.choose(64) == 4  # the chain of 8 (0.6 / 2.5) cannot beat the plain step: never measured

@@ -318,14 +318,26 @@ class BatchPolicy:
         * a shape feeding ``n`` tokens per row leaves the flat part before the plain step does, so its ratio to
           the plain step does not shrink: the plain step's time here times that ratio in a smaller bucket bounds it.
 
-        The floor is the largest of these, of the shape's time at any smaller batch (more rows are never faster) and
-        of the plain step's time here. On this CPU (JF model) the configured
+        The floor is the largest of these, of the shape's time at any smaller batch (more rows are never faster), of
+        the plain step's time here, and of what the measured shapes here that draft alike and feed fewer nodes say:
+        more nodes are never faster, and between shapes of one kind (chains) the time per node does not shrink on
+        the convex curve (a chain of 2 and a chain of 4 that took 1.0 and 1.5 s at 64 rows put the chain of 8 at
+        2.5 s at least; a tree's host work differs from a chain's, so chains bound a tree only by their time). On this CPU (JF model) the configured
         tree took 36, 56, 89, 174 and 325 ms at 4, 8, 16, 32 and 64 rows: from 4 and 8 rows the floor at 16 is
         88 ms, and from 16 and 32 rows the floor at 64 is 340 ms (the floor rests on that curve; measured times
         scatter by a few percent). A new bucket is then not spent measuring shapes that cannot win there."""
         plain = self.seconds(bucket, self.plain) if self.plain is not None and self.trusted(bucket, self.plain) else None
         smaller = [k for k in range(bucket) if self.trusted(k, shape)]
         out = plain or 0.0
+        me = self.shapes[shape]
+        narrower = sorted((other.budget + 1, self.seconds(bucket, j), (other.width, other.context) == (me.width, me.context))
+                          for j, other in enumerate(self.shapes)
+                          if not other.plain and other.drafter == me.drafter and other.budget < me.budget
+                          and self.trusted(bucket, j))
+        alike = [(n, t) for n, t, same in narrower if same]
+        out = max([out] + [t for _, t, _ in narrower])  # more nodes are never faster
+        for (n1, t1), (n2, t2) in zip(alike, alike[1:]):  # shapes of one kind (chains): on a convex curve the time
+            out = max(out, t2 + (me.budget + 1 - n2) * max(t2 - t1, 0.0) / (n2 - n1))  # per node does not shrink
         if smaller:
             k1 = smaller[-1]
             growth = 1.0
@@ -459,7 +471,8 @@ class BatchPolicy:
 
         The configured tree comes first, once (its steps feed the paired counts, which do not depend on the batch
         size), then the plain step of the bucket (the cheapest step there is). Any other shape is measured only
-        while it could still win: its tokens over :meth:`floor` (the plain step's time in this bucket, its own time
+        while it could still win (from :attr:`margin_rows` rows the narrowest such shape first, whose time then
+        floors the wider ones; below, the most promising): its tokens over :meth:`floor` (the plain step's time in this bucket, its own time
         in a smaller bucket carried forward, its ratio to the plain step there) must beat the best rate measured in the
         bucket, with the margin from :attr:`margin_rows` rows on (:meth:`threshold`). A good tree at batch 1 is not
         left to measure chains that cannot catch up, and a tree that lost at batch 16 is not tried at batch 32.
@@ -485,7 +498,11 @@ class BatchPolicy:
         bar = self.threshold(b, rows, rates)
         optimistic = {i: self.optimistic(b, i) for i in rest}  # (each floor once)
         hopeful = [i for i in rest if optimistic[i] > bar]
-        return max(hopeful, key=optimistic.get) if hopeful else None
+        if not hopeful:
+            return None
+        if rows >= self.margin_rows:  # a large batch measures the cheapest hopeful shape first: its time floors the
+            return min(hopeful, key=lambda i: self.shapes[i].budget)  # wider ones (:meth:`floor`)
+        return max(hopeful, key=optimistic.get)
 
     @property
     def index(self) -> int:
