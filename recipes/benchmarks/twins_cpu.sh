@@ -3,7 +3,8 @@
 # (hf_paralleldecode.cost_twin; --model default-1b / default-trained-1b), beside stock (batched) generate and
 # transformers' prompt lookup in the same run. Writes docs/assets/twins/cpu/<section>/; render the page with
 # `python scripts/render_tables.py` afterwards. About 70 minutes on 2 cores; ONLY="b1 roofline" runs some sections
-# (b1 batch sample fp32 roofline); REP (batch 1, greedy) and REPB (the rest) set the interleaved repeats.
+# (batch64 batch b1 sample fp32 roofline sample03); REP (batch 1, greedy) and REPB (the rest) set the interleaved
+# repeats.
 #   bash recipes/benchmarks/twins_cpu.sh
 set -u
 cd "$(dirname "$0")/../.."
@@ -19,28 +20,37 @@ C2="speculative:adaptive=false,tree_width=1,tree_depth=2,tree_budget=2,context_m
 want() { [ -z "${ONLY:-}" ] || [[ " $ONLY " == *" $1 "* ]]; }
 run() { local name=$1; shift; echo "=== $name $(date +%T)"; "$@" --output-dir "$OUT/$name" > "$OUT/$name.log" 2>&1
         echo "rc=$? $(date +%T)"; grep -v "Loading\|bench:" "$OUT/$name.log" | tail -n 12; }
+for m in default-trained default; do  # batch 64 on all 64 prompts, 4 and 16 on 32
+  want batch64 && run "batch64_$m-$SHAPE" $BENCH --model "$m-$SHAPE" --dtype bfloat16 --prompts $P2 --num-prompts "$NB" \
+    --batch-sizes 64 --repeats "$REPB" --strategies speculative $TREE $C4 $C2
+done
+for m in default-trained default; do
+  want batch && run "batch_$m-$SHAPE" $BENCH --model "$m-$SHAPE" --dtype bfloat16 --prompts $P2 --num-prompts "$NB16" \
+    --batch-sizes 4 16 --repeats "$REPB" --strategies speculative $TREE $C4 $C2
+done
 for m in default-trained default; do
   want b1 && run "b1_$m-$SHAPE" $BENCH --model "$m-$SHAPE" --dtype bfloat16 --prompts $P --num-prompts "$NB1" \
     --batch-sizes 1 --repeats "$REP" --strategies speculative $TREE $C8 $C4 transformers_prompt_lookup
 done
-for m in default-trained default; do  # batch 4 and 16 on 32 prompts, 64 on all 64
-  want batch && run "batch_$m-$SHAPE" $BENCH --model "$m-$SHAPE" --dtype bfloat16 --prompts $P2 --num-prompts "$NB16" \
-    --batch-sizes 4 16 --repeats "$REPB" --strategies speculative $TREE $C4 $C2
-  want batch && run "batch64_$m-$SHAPE" $BENCH --model "$m-$SHAPE" --dtype bfloat16 --prompts $P2 --num-prompts "$NB" \
-    --batch-sizes 64 --repeats "$REPB" --strategies speculative $TREE $C4 $C2
-done
-for t in 0.8 0.3; do for m in default-trained default; do
-  want sample && run "sample_t${t}_$m-$SHAPE" $BENCH --model "$m-$SHAPE" --dtype bfloat16 --prompts $P \
-    --num-prompts "$NB1" --batch-sizes 1 --repeats "$REPB" --do-sample --temperature $t \
+for m in default-trained default; do
+  want sample && run "sample_t0.8_$m-$SHAPE" $BENCH --model "$m-$SHAPE" --dtype bfloat16 --prompts $P \
+    --num-prompts "$NB1" --batch-sizes 1 --repeats "$REPB" --do-sample --temperature 0.8 \
     --strategies speculative transformers_prompt_lookup
-done; done
-want fp32 && run "fp32_b1_default-trained-$SHAPE" $BENCH --model "default-trained-$SHAPE" --dtype float32 --prompts $P \
-  --num-prompts "$NB1" --batch-sizes 1 --repeats "$REPB" --strategies speculative $TREE transformers_prompt_lookup
+done
 if want roofline; then
   for m in default default-$SHAPE; do for dt in bfloat16 float32; do
     echo "=== roofline $m $dt $(date +%T)"
     python3 scripts/gpu_roofline.py --model "$m" --dtype $dt --device cpu --threads 2 --repeats 3 --max-fed 256 \
       --output "$OUT/roofline_${m}_$dt.json" > "$OUT/roofline_${m}_$dt.log" 2>&1; echo "rc=$?"
   done; done
+  python3 scripts/gpu_roofline.py --plot "$OUT"/roofline_default-"$SHAPE"_bfloat16.json "$OUT"/roofline_default-"$SHAPE"_float32.json \
+    "$OUT"/roofline_default_float32.json --output "$OUT/roofline.png"
 fi
+want fp32 && run "fp32_b1_default-trained-$SHAPE" $BENCH --model "default-trained-$SHAPE" --dtype float32 --prompts $P \
+  --num-prompts "$NB1" --batch-sizes 1 --repeats "$REPB" --strategies speculative $TREE transformers_prompt_lookup
+for m in default-trained default; do
+  want sample03 && run "sample_t0.3_$m-$SHAPE" $BENCH --model "$m-$SHAPE" --dtype bfloat16 --prompts $P \
+    --num-prompts "$NB1" --batch-sizes 1 --repeats "$REPB" --do-sample --temperature 0.3 \
+    --strategies speculative transformers_prompt_lookup
+done
 echo "done $(date +%T)"
