@@ -143,20 +143,22 @@ def policy_rows(report: dict, policy: str = "speculative") -> dict:
     best = max(fixed, key=fixed.get)
     mine = results[policy]["speedup_vs_ar"]
     return dict(policy=mine, best=_shape_name(best), best_speed=fixed[best], regret=1 - mine / fixed[best],
-                stock=results[AR]["tokens_per_second"])
+                stock=results[AR]["tokens_per_second"], spec=results[policy].get("speculated_row_share"))
 
 
 def render_policy(spec: dict) -> str:
     files = spec.get("files") or sorted(
         (str(p.relative_to(ASSETS)) for p in (ASSETS / spec["dir"]).glob("batch*/bench.json")),
         key=lambda s: int(re.search(r"batch(\d+)", s).group(1)))
-    lines = ["| batch | stock (tok/s) | default (batch policy) vs stock | best fixed shape run alone | its speed vs stock "
-             "| regret |", "| --- | --- | --- | --- | --- | --- |"]
+    lines = ["| batch | stock (tok/s) | default (batch policy) vs stock | its speculating rows | best fixed shape run "
+             "alone | its speed vs stock | regret (negative: the policy was faster) |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
     for rel in files:
         report = _load(rel)
         row = policy_rows(report)
-        lines.append(f"| {report['batch_size']} | {row['stock']:.1f} | {row['policy']:.2f}x | {row['best']} | "
-                     f"{row['best_speed']:.2f}x | {100 * row['regret']:.0f}% |")
+        regret = round(100 * row["regret"]) + 0  # (+ 0: no "-0%")
+        lines.append(f"| {report['batch_size']} | {row['stock']:.1f} | {row['policy']:.2f}x | {_fmt(row['spec'], '%')} | "
+                     f"{row['best']} | {row['best_speed']:.2f}x | {regret}% |")
     return "\n".join(lines) + "\n"
 
 

@@ -32,6 +32,10 @@ for m in default-trained default; do
   want b1 && run "b1_$m-$SHAPE" $BENCH --model "$m-$SHAPE" --dtype bfloat16 --prompts $P --num-prompts "$NB1" \
     --batch-sizes 1 --repeats "$REP" --strategies speculative $TREE $C8 $C4 transformers_prompt_lookup
 done
+for m in default-trained default; do  # the 8.4M models themselves on the same prompts: their tokens per forward
+  want b1 && run "b1_$m-8m" $BENCH --model "$m" --prompts $P --num-prompts "$NB1" --batch-sizes 1 --repeats "$REP" \
+    --strategies speculative $TREE
+done
 for m in default-trained default; do
   want sample && run "sample_t0.8_$m-$SHAPE" $BENCH --model "$m-$SHAPE" --dtype bfloat16 --prompts $P \
     --num-prompts "$NB1" --batch-sizes 1 --repeats "$REPB" --do-sample --temperature 0.8 \
