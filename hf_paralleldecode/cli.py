@@ -101,8 +101,8 @@ def _load(args):
         tokenizer = load_tokenizer(default_model_path())
         model = random_model(args.model, vocab_size=len(tokenizer))
         name = args.model
-    elif twin_of(args.model) is not None:  # a cost twin of an embedded model, built on first use
-        source, shape = twin_of(args.model)
+    elif (twin := twin_of(args.model)) is not None:  # a cost twin of an embedded model, built on first use
+        source, shape = twin
         model = embedded_twin(source, shape, dtype=dtype, device=device)
         tokenizer = load_tokenizer(default_model_path(source))
         name = f"{EMBEDDED_MODELS[source]} (embedded), {shape} cost twin"

@@ -162,6 +162,12 @@ def cost_twin(model, shape="1b", *, dtype: torch.dtype | None = None, device=Non
         raise ValueError(f"A twin can only be as large as its source or larger; {', '.join(smaller)} would shrink.")
     q_slot, kv_source = _head_slots(q_heads, kv_heads, twin_q, twin_kv)
     drafter = attached_drafter(model)
+    if drafter is not None and _reads_hidden_states(drafter):  # before anything is built
+        raise ValueError(
+            f"The model's attached drafter ({type(drafter).__name__}) reads the target's hidden states, which a "
+            "cost twin widens: it cannot draft for the twin. Detach it (build the twin from a model without a "
+            "drafter) or use a token-level drafter (a DEER diffusion drafter)."
+        )
 
     config_dict = src.to_dict()
     eps_key = "rms_norm_eps"
@@ -208,25 +214,21 @@ def cost_twin(model, shape="1b", *, dtype: torch.dtype | None = None, device=Non
                     setattr(module, attr, eps)
     twin.generation_config = type(source.generation_config).from_dict(source.generation_config.to_dict())
     twin = enable(twin.eval())
-    config = getattr(source, "parallel_decoding_config", None)
-    if config is not None:
-        twin.parallel_decoding_config = config
+    decoding_config = getattr(source, "parallel_decoding_config", None)
+    if decoding_config is not None:
+        twin.parallel_decoding_config = decoding_config
     if drafter is not None:
-        if getattr(drafter, "tap_layers", None) is not None or _reads_hidden_states(drafter):
-            raise ValueError(
-                f"The model's attached drafter ({type(drafter).__name__}) reads the target's hidden states, which a "
-                "cost twin widens: it cannot draft for the twin. Detach it (build the twin from a model without a "
-                "drafter) or use a token-level drafter (a DEER diffusion drafter)."
-            )
         attach_drafter(twin, drafter if drafter.dtype == dtype and drafter.device == device else
                        drafter.copy_to(device=device, dtype=dtype))
     return twin
 
 
 def _reads_hidden_states(drafter) -> bool:
-    from .drafters.head import DraftHead
+    """Whether the drafter's kind taps target layers (draft heads, EAGLE-3): it declares ``tap_layers``. Read off the
+    class, not the instance: an unbound EAGLE-3 drafter computes its taps from the target it does not have yet."""
+    from .drafters.base import Drafter
 
-    return isinstance(drafter, DraftHead)
+    return getattr(type(drafter), "tap_layers", Drafter.tap_layers) is not Drafter.tap_layers
 
 
 _ZERO_OUTSIDE = ("o_proj.weight", "o_proj.bias", "down_proj.weight", "down_proj.bias")

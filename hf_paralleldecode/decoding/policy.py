@@ -49,8 +49,9 @@ The rule
       loses a little is revisited every few dozen steps, one that loses a step's worth of time at a large batch
       rarely. A tree that would win by ``decisive`` (2x) at the fastest step it ever took in the bucket is revisited
       at its gaps whatever the budget, and a step much faster than a shape's estimate (``stale``: 1.5x) replaces its
-      window: times measured while another process ran do not lock a shape out. The gap, the budget and the steps since the last visit carry over to the next call, like the
-      measurements: a server's short requests do not each pay for a revisit.
+      window: times measured while another process ran do not lock a shape out. The gap, the budget and the steps
+      since the last visit carry over to the next call, like the measurements: a server's short requests do not
+      each pay for a revisit.
 
     The tail. ``generate``'s batch is static: rows that accept more finish first, and the batch runs its last steps
     with fewer rows, on a CPU at nearly a full step's cost. A shape's rate is therefore scaled by
@@ -446,7 +447,7 @@ class BatchPolicy:
                 others = {i: r for i, r in rate.items() if i != 0}
                 if len(self.times.get((b, 0), ())) < 3 and self.hopeful(b, rows, 0, others):
                     revisit = True
-                elif self.relative_tokens(0) / self.fastest(b, 0) * self.tail_factor(b, rows, 0, self.fastest(b, 0)) \
+                elif self.relative_tokens(0) / (fast := self.fastest(b, 0)) * self.tail_factor(b, rows, 0, fast) \
                         >= self.decisive * self.threshold(b, rows, others):
                     revisit = True  # it has been fast enough to win decisively here: re-measure it at its gaps
                 else:
