@@ -32,7 +32,7 @@ _LAZY = {
     "Eagle3Config": "drafters.eagle3",
     "load_drafter": "drafters.loading",
     "DraftStats": "drafters.base",
-    "ParallelDecodingOutput": "decoding.base",
+    "ParallelDecodingOutput": "engine.run",
     "ParallelDecodingConfig": "config",
     "load_model": "loading",
     "default_model_path": "loading",
@@ -109,7 +109,6 @@ def __dir__():
 
 if TYPE_CHECKING:  # pragma: no cover
     from .config import ParallelDecodingConfig
-    from .decoding.base import ParallelDecodingOutput
     from .decoding.jacobi import jacobi
     from .decoding.jacobi_forcing import jacobi_forcing
     from .decoding.lookahead import lookahead
@@ -121,6 +120,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .drafters.export import export_draft_head, export_drafter
     from .drafters.head import DraftHead, DraftHeadConfig
     from .drafters.loading import load_drafter
+    from .engine.run import ParallelDecodingOutput
     from .hardware import hardware_preset
     from .integration import ParallelDecodingMixin, enable, is_enabled
     from .loading import default_model_path, load_default_model, load_model, load_tokenizer

@@ -19,7 +19,7 @@ The derivation (``docs/hardware.md``)
     ``tune`` results for a device win over the paper preset.
 
 The CPU has no such knee worth the name (every token costs compute): its preset is what was
-measured on the embedded models (``jacobi_forcing.CPU_DEFAULTS``).
+measured on the embedded models (:data:`CPU_DEFAULTS` for Jacobi Forcing).
 """
 
 from __future__ import annotations
@@ -29,8 +29,20 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["GpuSpec", "GPU_SPECS", "DEFAULT_MODEL", "knee_tokens", "hardware_preset", "preset_name",
-           "device_preset", "preset_settings", "cpu_has_native_bf16"]
+__all__ = ["GPU_DEFAULTS", "CPU_DEFAULTS", "GpuSpec", "GPU_SPECS", "DEFAULT_MODEL", "knee_tokens", "hardware_preset",
+           "preset_name", "device_preset", "preset_settings", "cpu_has_native_bf16"]
+
+
+#: Jacobi Forcing's settings in the paper (n=64, K=2, r=0.85, pool 4): the Hopper / Blackwell preset's values
+GPU_DEFAULTS = dict(block_size=64, num_blocks=2, activation_ratio=0.85, pool_size=4, context_matches=0,
+                    context_tokens=10)
+# Chosen by measurement on the embedded models, 2 CPU cores. The block_size x pool_size grid (K=2, r=0.85
+# fixed, as the paper does) gave (4, 8) before context n-grams existed; on a CPU every extra token in a
+# forward costs compute, so small blocks win. Context n-grams then beat recycling at equal width: two
+# 6-token context matches and no pool gave 1.41x AR against 0.78x for (4, 8) on the base model, and 1.57x
+# against 1.28x on the Jacobi Forcing model (docs/tree-budgets.md, "Measured").
+CPU_DEFAULTS = dict(block_size=4, num_blocks=2, activation_ratio=0.85, pool_size=0, context_matches=2,
+                    context_tokens=6)
 
 
 @dataclass(frozen=True)
@@ -101,8 +113,6 @@ def _settings_for_width(width: float) -> dict[str, dict]:
 
 
 def _cpu_preset() -> dict[str, dict]:
-    from .decoding.jacobi_forcing import CPU_DEFAULTS
-
     return {
         "jacobi": {"block_size": 16},
         "jacobi_forcing": dict(CPU_DEFAULTS),

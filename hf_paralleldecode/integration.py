@@ -10,7 +10,7 @@ How (decision)
     strategy up in the registry and calls the stock ``generate`` with ``custom_generate=<strategy>``,
     so transformers still prepares inputs, cache, processors and stopping criteria.
 
-What a call can get (``decoding/support.py``; the table is ``docs/generate-arguments.md``)
+What a call can get (``engine/support.py``; the table is ``docs/generate-arguments.md``)
     Before transformers prepares anything, the call is checked against what a parallel decoding
     can serve. An explicit ``decoding=`` raises on a conflict; a checkpoint's *default* decoding
     steps aside and stock ``generate`` runs (info log). ``stop_strings`` are turned into a
@@ -35,7 +35,7 @@ import logging
 
 import torch
 
-from .decoding.support import call_conflict
+from .engine.support import call_conflict
 from .registry import get_decoding
 
 __all__ = ["enable", "ParallelDecodingMixin", "is_enabled", "STOCK", "attach_drafter", "attached_drafter",

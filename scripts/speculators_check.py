@@ -39,8 +39,8 @@ def _our_eagle3_logits(drafter, feats, ids):
 
 
 def _our_dflash_logits(head, feats, ids):
-    from hf_paralleldecode.decoding.cache import additive_mask
     from hf_paralleldecode.drafters.head import block_layout
+    from hf_paralleldecode.engine.cache import additive_mask
 
     c = head.config
     slot_ids, pos, intra, _ = block_layout(c.attention, c.block_size, torch.tensor([[ANCHOR]]), ids, c.mask_token_id)

@@ -7,8 +7,8 @@ import torch
 from models import enabled, prompts
 
 from hf_paralleldecode.decoding.budget import CostAwareBudget, ForwardCost, forward_cost
-from hf_paralleldecode.decoding.tree import pack_trees
-from hf_paralleldecode.decoding.verify import Verdict, walk_tree
+from hf_paralleldecode.engine.tree import pack_trees
+from hf_paralleldecode.engine.verify import Verdict, walk_tree
 
 pytestmark = pytest.mark.core  # the equivalence core: also run on the floor of the tested range (.ci/run)
 
@@ -114,7 +114,7 @@ def test_trim_keeps_the_best_nodes_by_path_value_parents_first():
 
 
 def test_learn_counts_keyed_nodes_of_a_trimmed_tree():
-    from hf_paralleldecode.decoding.tree import tree_from_parents
+    from hf_paralleldecode.engine.tree import tree_from_parents
 
     budget = flat_budget()
     tree = tree_from_parents(torch.tensor([0]), [[0, 5, 6, 7]], [[-1, 0, 1, 0]], [[0, 1, 2, 1]])

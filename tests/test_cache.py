@@ -8,7 +8,7 @@ from models import prompts, tiny_model
 from transformers import DynamicCache
 
 from hf_paralleldecode.compat import cache_kwargs
-from hf_paralleldecode.decoding.cache import SlotCache
+from hf_paralleldecode.engine.cache import SlotCache
 
 pytestmark = pytest.mark.core  # the equivalence core: also run on the floor of the tested range (.ci/run)
 

@@ -196,10 +196,10 @@ NOT_TRANSFORMERS = {
     "_hfpd_drafter": "the library's own attribute on a model (integration.py)",
     "_hfpd_target_key": "the library's own attribute on a model naming it for the batch policy's measurements (decoding/policy.py)",
     "_orig_mod": "the module torch.compile wraps (integration.py refuses the wrapper, naming it)",
-    "_forward_hooks": "torch.nn.Module hooks (decoding/target.py: the greedy head notices a new hook)",
-    "_forward_pre_hooks": "torch.nn.Module hooks (decoding/target.py)",
-    "_global_forward_hooks": "torch.nn.Module global hooks (decoding/target.py)",
-    "_global_forward_pre_hooks": "torch.nn.Module global hooks (decoding/target.py)",
+    "_forward_hooks": "torch.nn.Module hooks (engine/target.py: the greedy head notices a new hook)",
+    "_forward_pre_hooks": "torch.nn.Module hooks (engine/target.py)",
+    "_global_forward_hooks": "torch.nn.Module global hooks (engine/target.py)",
+    "_global_forward_pre_hooks": "torch.nn.Module global hooks (engine/target.py)",
 }
 
 

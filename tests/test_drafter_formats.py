@@ -251,7 +251,7 @@ def _eagle_reference_features(model, ids):
 
 @pytest.mark.parametrize("arch,depth", [*[(a, 8) for a in MAIN_ARCHS], ("llama", 11), ("llama", 32)])
 def test_authors_eagle3_checkpoint_without_tap_ids_takes_the_reference_taps_of_its_target(tmp_path, arch, depth):
-    from hf_paralleldecode.decoding.target import HiddenStateTaps
+    from hf_paralleldecode.engine.target import HiddenStateTaps
 
     model = hfpd.enable(tiny_model(arch, num_hidden_layers=depth))
     drafter = _eagle(model, draft_vocab_size=40, layer_type="llama")

@@ -8,7 +8,7 @@ import transformers
 from models import _COMMON, _LLAMA_LIKE, enabled, prompts, reference
 
 import hf_paralleldecode as hfpd
-from hf_paralleldecode.decoding.target import GreedyHead
+from hf_paralleldecode.engine.target import GreedyHead
 
 pytestmark = pytest.mark.core  # the equivalence core: also run on the floor of the tested range (.ci/run)
 
@@ -98,7 +98,7 @@ def test_values_that_need_the_logits_keep_the_full_forward():
 @pytest.mark.parametrize("vocab", [97, 256, 8192, 8193, 50257])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_greedy_argmax_equals_argmax_with_ties_and_nans(vocab, dtype):
-    from hf_paralleldecode.decoding.verify import greedy_argmax
+    from hf_paralleldecode.engine.verify import greedy_argmax
 
     g = torch.Generator().manual_seed(vocab)
     x = torch.randn(3, 5, vocab, generator=g).to(dtype)

@@ -214,7 +214,7 @@ def test_sliding_window_model_within_window_is_exact_and_beyond_is_refused():
 
 
 def test_rows_that_accept_different_lengths_compact_the_cache(monkeypatch):
-    from hf_paralleldecode.decoding.cache import SlotCache
+    from hf_paralleldecode.engine.cache import SlotCache
 
     monkeypatch.setattr(SlotCache, "compact_min_holes", 0)  # compact whenever a row has a hole
     monkeypatch.setattr(SlotCache, "compact_ratio", 0.0)
@@ -263,7 +263,7 @@ def test_prefix_constrained_processor_sees_each_rows_batch_index():
 
 
 def test_random_context_init_is_seeded_and_drawn_from_context():
-    from hf_paralleldecode.decoding.base import DecodeRun
+    from hf_paralleldecode.engine.run import DecodeRun
 
     model = enabled("llama")
     ids, mask = prompts(3)

@@ -58,7 +58,7 @@ def test_context_draws_come_from_each_rows_own_context_and_match_the_tensor_form
     """The host-list draw (what the Jacobi Forcing / lookahead proposers use) returns, per active row,
     tokens of its real prompt or of what it committed so far: the same tokens as indexing tensors with the same
     draw. A row read in part (``take``) or cycled past ``k`` gives the same tokens as the row read in full."""
-    from hf_paralleldecode.decoding.base import DecodeRun
+    from hf_paralleldecode.engine.run import DecodeRun
 
     model = enabled("llama")
     ids, mask = prompts(3)

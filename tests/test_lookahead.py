@@ -6,7 +6,7 @@ import pytest
 import torch
 from models import RecordingStreamer, enabled, prompts
 
-from hf_paralleldecode.decoding.ngram_pool import NgramPool
+from hf_paralleldecode.engine.ngram_pool import NgramPool
 
 pytestmark = pytest.mark.core  # the equivalence core: also run on the floor of the tested range (.ci/run)
 

@@ -1,6 +1,6 @@
 """A model changed between calls is decoded as it is now, and concurrent calls on one model do not meet.
 
-The greedy LM-head shortcut (decoding/target.py ``GreedyHead``) is the state a model keeps across calls: it is
+The greedy LM-head shortcut (engine/target.py ``GreedyHead``) is the state a model keeps across calls: it is
 rebuilt and checked again whenever the head, its weight (vocabulary size, dtype, device) or any hook changes, and
 its capture hook acts only in the thread of the call that installed it.
 """
@@ -35,7 +35,7 @@ def _settings(model, case):
 @pytest.fixture(autouse=True)
 def chunked_head_on_every_step(monkeypatch):
     """The greedy head's chunked path on every checked step (on a real vocabulary it is the path of wide trees)."""
-    from hf_paralleldecode.decoding.target import GreedyHead
+    from hf_paralleldecode.engine.target import GreedyHead
 
     monkeypatch.setattr(GreedyHead, "worth_it", lambda self, positions: True)
 BANNED = list(range(3, 60))  # most of the 97-token vocabulary

@@ -170,7 +170,7 @@ def test_alibi_is_still_refused_as_alibi():
 
 def test_a_cache_without_a_window_is_never_told_to_fit_in_the_window():
     """Stateful cache layers with sliding_window=None: the refusal names the layers, not a window."""
-    from hf_paralleldecode.decoding.cache import prepare_cache
+    from hf_paralleldecode.engine.cache import prepare_cache
 
     class Recurrent(compat.DynamicLayer):
         pass
@@ -193,7 +193,7 @@ def test_sliding_window_outgrown_names_the_window():
 def test_the_cost_probe_stays_inside_a_learned_position_table():
     """cost_aware=True measures forwards of up to 256 tokens after a 64-token prefix: not past GPT-2's table."""
     from hf_paralleldecode.decoding.budget import forward_cost
-    from hf_paralleldecode.decoding.support import position_table_size
+    from hf_paralleldecode.engine.support import position_table_size
 
     model = hfpd.enable(tiny_model("gpt2", n_positions=128))
     assert position_table_size(model) == 128 and position_table_size(tiny_model("llama")) is None

@@ -14,7 +14,7 @@ import hf_paralleldecode as hfpd
 from hf_paralleldecode import DraftHead, Eagle3Drafter
 from hf_paralleldecode.decoding import policy as policy_module
 from hf_paralleldecode.decoding.policy import BatchPolicy, Shape, first_child_prefix, path_prefix, shapes_from
-from hf_paralleldecode.decoding.tree import chain_tree, tree_from_parents
+from hf_paralleldecode.engine.tree import chain_tree, tree_from_parents
 
 pytestmark = pytest.mark.core
 

@@ -74,7 +74,7 @@ def test_stopping_matches_stock(strategy, eos, stop):
 
 
 def test_score_buffers_grow_with_the_output_not_with_max_new_tokens(monkeypatch):
-    from hf_paralleldecode.decoding.commit import CommitLog
+    from hf_paralleldecode.engine.commit import CommitLog
 
     model = enabled("llama")
     ids, mask = prompts(2, length=PROMPT_LEN)

@@ -7,9 +7,9 @@ import torch
 from models import prompts, tiny_model
 
 import hf_paralleldecode as hfpd
-from hf_paralleldecode.decoding.base import start
-from hf_paralleldecode.decoding.tree import chain_tree, pack_trees
-from hf_paralleldecode.decoding.verify import walk_tree
+from hf_paralleldecode.engine.run import start
+from hf_paralleldecode.engine.tree import chain_tree, pack_trees
+from hf_paralleldecode.engine.verify import walk_tree
 
 pytestmark = pytest.mark.core  # the equivalence core: also run on the floor of the tested range (.ci/run)
 
@@ -220,7 +220,7 @@ def test_host_packing_of_small_trees_equals_the_vectorised_packing(monkeypatch):
 def test_host_ancestor_mask_equals_pointer_doubling_on_deep_wide_trees():
     import random
 
-    from hf_paralleldecode.decoding.tree import _ancestor_mask_on_host, ancestor_mask
+    from hf_paralleldecode.engine.tree import _ancestor_mask_on_host, ancestor_mask
 
     rng = random.Random(4)
     for width in (1, 7, 8, 9, 70, 130):
@@ -235,7 +235,7 @@ def test_host_ancestor_mask_equals_pointer_doubling_on_deep_wide_trees():
 def test_ancestor_mask_equals_a_parent_walk_across_bitset_word_boundaries():
     import random
 
-    from hf_paralleldecode.decoding.tree import _unpack_bits, _unpack_bits_on_device, ancestor_mask
+    from hf_paralleldecode.engine.tree import _unpack_bits, _unpack_bits_on_device, ancestor_mask
 
     rng = random.Random(5)
     assert ancestor_mask(torch.zeros(0, 70, dtype=torch.long) - 1, 70).shape == (0, 70, 70)  # an empty batch
@@ -260,7 +260,7 @@ def test_ancestor_mask_equals_a_parent_walk_across_bitset_word_boundaries():
 
 
 def test_root_tree_is_a_one_node_chain_whose_structure_is_built_once_per_batch_size():
-    from hf_paralleldecode.decoding.tree import root_tree
+    from hf_paralleldecode.engine.tree import root_tree
 
     a, b = root_tree(torch.tensor([5, 6, 7])), root_tree(torch.tensor([8, 9, 10]))
     ref = chain_tree(torch.tensor([[5], [6], [7]]), torch.ones(3, dtype=torch.long))

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from hf_paralleldecode.decoding import verify
-from hf_paralleldecode.decoding.tree import pack_trees
-from hf_paralleldecode.decoding.verify import rejection_walk, residual, verify_tree
+from hf_paralleldecode.engine.tree import pack_trees
+from hf_paralleldecode.engine.verify import rejection_walk, residual, verify_tree
 
 pytestmark = pytest.mark.core  # the equivalence core: also run on the floor of the tested range (.ci/run)
 

@@ -1,17 +1,25 @@
-"""Decoding strategies (``custom_generate`` callables) and the pieces they share.
+"""Decoding strategies (``custom_generate`` callables) and the batch policy they share.
 
-Layout
-    Strategies, one module each: ``jacobi``, ``jacobi_forcing``, ``lookahead``, ``speculative``
-    (registered by name in :mod:`hf_paralleldecode.registry`; importable from the top-level package).
-    Shared pieces: ``base`` (validation, prefill, the decode loop, outputs), ``support`` (which
-    ``generate`` arguments are supported or refused), ``cache`` (per-row committed KV slots),
-    ``target`` (the target forward and hidden-state taps), ``tree`` (packed token trees and their
-    masks), ``verify`` (acceptance rules), ``processors`` (logits processors per position),
-    ``commit`` (emission in stock order), ``ngram_pool`` (n-gram pools for lookahead and rejection
-    recycling), ``draft_tree`` (best-first draft trees for draft heads).
+Strategies, one module each: ``jacobi``, ``jacobi_forcing``, ``lookahead``, ``prompt_lookup``, ``speculative``
+(registered by name in :mod:`hf_paralleldecode.registry`; importable from the top-level package). They are built
+on :mod:`hf_paralleldecode.engine` (the decode loop, cache, target, trees, verification, emission) and, for
+``speculative``, on :mod:`hf_paralleldecode.drafters`.
+
+The engine's modules lived here before; their old import paths (``hf_paralleldecode.decoding.tree`` and so on, and
+``decoding.base`` for ``engine.run``) still name the same modules.
 """
 
-from .base import ParallelDecodingOutput
+import importlib as _importlib
+import sys as _sys
+
+from ..engine.run import ParallelDecodingOutput
 from .jacobi import jacobi
+
+#: old module path (under this package) -> its module in the engine
+_MOVED_TO_ENGINE = {"base": "run", "cache": "cache", "target": "target", "support": "support", "tree": "tree",
+                    "verify": "verify", "commit": "commit", "processors": "processors", "draft_tree": "draft_tree",
+                    "ngram_pool": "ngram_pool"}
+for _old, _new in _MOVED_TO_ENGINE.items():
+    _sys.modules[f"{__name__}.{_old}"] = _importlib.import_module(f"hf_paralleldecode.engine.{_new}")
 
 __all__ = ["ParallelDecodingOutput", "jacobi"]

@@ -94,7 +94,7 @@ def forward_cost(model, context: int = 64, repeats: int = 5, tokens=MEASURED_TOK
     On a model with a learned position table (GPT-2's ``n_positions``) the probe stays inside it: the prefix
     shrinks to a quarter of the table at most and sizes that would not fit are not measured.
     """
-    from .support import position_table_size
+    from ..engine.support import position_table_size
 
     table = position_table_size(model)
     if table is not None:

@@ -33,10 +33,10 @@ from __future__ import annotations
 
 import torch
 
+from ..engine.run import Proposer, check_int_setting, checks_settings, decode
+from ..engine.tree import chain_tree, root_tree
 from ..hardware import preset_settings
-from .base import Proposer, check_int_setting, checks_settings, decode
 from .policy import batch_policy, check_policy_settings, shapes_from
-from .tree import chain_tree, root_tree
 
 __all__ = ["jacobi", "JACOBI_INITS"]
 

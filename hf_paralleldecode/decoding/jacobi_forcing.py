@@ -37,23 +37,14 @@ from __future__ import annotations
 
 import torch
 
-from ..hardware import preset_settings
-from .base import check_int_setting, checks_settings, decode
-from .ngram_pool import NgramPool
+from ..engine.ngram_pool import NgramPool
+from ..engine.run import check_int_setting, checks_settings, decode
+from ..hardware import CPU_DEFAULTS, GPU_DEFAULTS, preset_settings  # noqa: F401 - the presets' old home
 from .policy import batch_policy, check_policy_settings, shapes_from
 from .prompt_lookup import CONTEXT, GUESSES, POOL, ComposedTreeProposer, check_context_settings
 
 __all__ = ["jacobi_forcing", "GPU_DEFAULTS", "CPU_DEFAULTS"]
 
-GPU_DEFAULTS = dict(block_size=64, num_blocks=2, activation_ratio=0.85, pool_size=4, context_matches=0,
-                    context_tokens=10)
-# Chosen by measurement on the embedded models, 2 CPU cores. The block_size x pool_size grid (K=2, r=0.85
-# fixed, as the paper does) gave (4, 8) before context n-grams existed; on a CPU every extra token in a
-# forward costs compute, so small blocks win. Context n-grams then beat recycling at equal width: two
-# 6-token context matches and no pool gave 1.41x AR against 0.78x for (4, 8) on the base model, and 1.57x
-# against 1.28x on the Jacobi Forcing model (docs/tree-budgets.md, "Measured").
-CPU_DEFAULTS = dict(block_size=4, num_blocks=2, activation_ratio=0.85, pool_size=0, context_matches=2,
-                    context_tokens=6)
 
 
 def _check_settings(block_size, num_blocks, activation_ratio, pool_size, ngram_size, jacobi_seed, context_matches=None,

@@ -11,7 +11,7 @@ Algorithm (per row)
     under the root, exactly LADE's mask (level 0 causal, later levels see level 0 up to their
     column and their own column in earlier levels). The verification branch adds up to ``G``
     stored continuations keyed by the root token. Both branches are merged into ONE
-    :class:`~hf_paralleldecode.decoding.tree.PackedTree` and go through the general tree
+    :class:`~hf_paralleldecode.engine.tree.PackedTree` and go through the general tree
     verifier (greedy, or sample-then-match) in one forward; any matching path is exact, so level 0
     (a Jacobi guess) can be accepted too.
 
@@ -35,9 +35,9 @@ from __future__ import annotations
 
 import torch
 
+from ..engine.ngram_pool import NgramPool
+from ..engine.run import check_int_setting, checks_settings, decode
 from ..hardware import preset_settings
-from .base import check_int_setting, checks_settings, decode
-from .ngram_pool import NgramPool
 from .policy import batch_policy, check_policy_settings, shapes_from
 from .prompt_lookup import CONTEXT, GUESSES, POOL, ComposedTreeProposer, check_context_settings
 

@@ -604,7 +604,7 @@ class BatchPolicy:
 
 def check_policy_settings(adaptive, max_step_tokens) -> None:
     """``adaptive`` (True / False) and ``max_step_tokens`` (``None`` or an integer >= 1, with ``adaptive`` only)."""
-    from .base import check_bool_setting, check_int_setting
+    from ..engine.run import check_bool_setting, check_int_setting
 
     check_bool_setting("adaptive", adaptive)
     if max_step_tokens is not None:

@@ -48,15 +48,15 @@ import torch
 
 from ..drafters.base import Drafter, DraftStats, target_vocab_size
 from ..drafters.loading import check_drafter_dtype, drafter_run_dtype, load_drafter
+from ..engine.draft_tree import TreeBuilder
+from ..engine.processors import prefix_independent, process_prefixes
+from ..engine.run import Proposer, check_int_setting, checks_settings, decode
+from ..engine.target import HiddenStateTaps
+from ..engine.tree import PackedTree, root_tree, tree_from_parents
 from ..hardware import preset_settings
-from .base import Proposer, check_int_setting, checks_settings, decode
 from .budget import CostAwareBudget
-from .draft_tree import TreeBuilder
 from .policy import batch_policy, check_policy_settings, shapes_from, target_key
-from .processors import prefix_independent, process_prefixes
 from .prompt_lookup import CONTEXT, GUESSES, ContextNgrams, check_context_settings
-from .target import HiddenStateTaps
-from .tree import PackedTree, root_tree, tree_from_parents
 
 __all__ = ["speculative"]
 

@@ -116,7 +116,7 @@ class Drafter:
 
     def start(self, run, taps, vocab: int, depth: int, **settings) -> DrafterState:  # pragma: no cover - interface
         """The state of one ``generate`` call (``run``: the decode run after the prefill; ``taps``: the
-        :class:`~hf_paralleldecode.decoding.target.HiddenStateTaps` of :attr:`tap_layers`, or ``None``)."""
+        :class:`~hf_paralleldecode.engine.target.HiddenStateTaps` of :attr:`tap_layers`, or ``None``)."""
         raise NotImplementedError
 
 

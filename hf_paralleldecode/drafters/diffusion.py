@@ -48,7 +48,7 @@ Drafting (:class:`DiffusionState`; ``decoding/speculative.py`` grows the tree an
     drafter over ``[committed..., boundary?, MASK x k]`` (:class:`DiffusionDrafter`);
     ``k`` is the tree's depth (``tree_depth``, at most the drafter's ``block_size``).
     * ``block_causal`` drafters keep the committed tokens' keys/values in their own
-      :class:`~hf_paralleldecode.decoding.cache.SlotCache`: a step feeds only the tokens committed since the last step
+      :class:`~hf_paralleldecode.engine.cache.SlotCache`: a step feeds only the tokens committed since the last step
       (left-padded per row, causal among themselves) plus the block (bidirectional, seeing the
       whole prefix); the block's slots are cut off afterwards. The first step feeds the prompt.
     * ``bidirectional`` drafters have no cache (every prefix token sees the block): a step feeds
@@ -75,7 +75,7 @@ import torch
 from torch import nn
 
 from ..compat import DynamicCache, attn_implementation, cache_kwargs
-from ..decoding.cache import SlotCache
+from ..engine.cache import SlotCache
 from .base import (
     SHIPPED_DRAFTERS,
     Drafter,
@@ -199,7 +199,7 @@ def _target_fingerprint(target, vocab: int) -> str | None:
 
 def _copy_target_weights(model, target, layers: int) -> None:
     """Copy the target's embeddings (+ mean rows for new tokens), first ``layers`` layers, final norm and LM head."""
-    from ..decoding.target import decoder_layers
+    from ..engine.target import decoder_layers
 
     with torch.no_grad():
         for get in ("get_input_embeddings", "get_output_embeddings"):
@@ -371,7 +371,7 @@ class DiffusionDrafter(Drafter, nn.Module):
         position past its learned position table. A block-causal drafter reads every committed position plus its
         block (the last anchor sits at ``max_length - 2``); a bidirectional one reads a window that
         :meth:`check_target` already bounds."""
-        from ..decoding.support import position_table_size
+        from ..engine.support import position_table_size
 
         if self.config.attention != "block_causal":
             return

@@ -46,7 +46,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from ..compat import DynamicCache, HeadPreTrainedModel, activation, apply_rotary, rotary_embedding
-from ..decoding.cache import SlotCache
+from ..engine.cache import SlotCache
 from .base import CardSaving, Drafter, DrafterState, register_drafter_kind
 from .formats import PROJECT_KEY, DrafterFormat, hs_to_layer_ids, layer_settings, load_strict, read_tensors
 from .head import _target_facts, default_target_layer_ids

@@ -31,7 +31,7 @@ Slot conventions (what the head is trained for and drafts with: :func:`block_lay
       Training feeds one branch (the committed tokens) per anchor: a chain of the inference tree.
 
 What it deliberately does not know
-    How trees are grown or verified (``decoding/speculative.py``, ``decoding/verify.py``); it hands
+    How trees are grown or verified (``decoding/speculative.py``, ``engine/verify.py``); it hands
     the tree grower per-depth marginals (block heads) or the children of given nodes (``tree_causal``)
     through :class:`HeadState`, the :class:`~.base.DrafterState` of a call.
 """
@@ -45,7 +45,7 @@ import torch
 from transformers import PretrainedConfig
 
 from ..compat import DynamicCache, HeadPreTrainedModel, cache_kwargs, dflash_classes, set_body_attn_implementation
-from ..decoding.cache import SlotCache, additive_mask
+from ..engine.cache import SlotCache, additive_mask
 from .base import SHIPPED_DRAFTERS, CardSaving, Drafter, DrafterState, register_drafter_kind
 from .formats import PROJECT_KEY, DrafterFormat, hs_to_layer_ids, layer_settings, load_strict, read_tensors
 

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import TrainingArguments
 
-from ..decoding.cache import additive_mask
+from ..engine.cache import additive_mask
 from .draft_head import DrafterTrainer, check_distillation_settings, padded_rows_and_anchors
 from .losses import DISTILLATION_OBJECTIVES, diffusion_alignment_loss, position_weights
 from .trajectories import check_token_ids

@@ -34,9 +34,9 @@ import torch
 from transformers import Trainer, TrainingArguments
 
 from ..compat import TrainerHooks
-from ..decoding.cache import additive_mask
-from ..decoding.target import HiddenStateTaps
 from ..drafters.head import block_layout
+from ..engine.cache import additive_mask
+from ..engine.target import HiddenStateTaps
 from .losses import DISTILLATION_OBJECTIVES, draft_distillation_loss, position_weights
 from .trajectories import check_token_ids
 

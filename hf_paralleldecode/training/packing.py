@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..decoding.cache import additive_mask  # one mask builder for decoding and training; re-exported here
+from ..engine.cache import additive_mask  # one mask builder for decoding and training; re-exported here
 
 __all__ = [
     "SCHEDULES",

@@ -39,8 +39,8 @@ from pathlib import Path
 import torch
 
 from ..compat import GENERATION_CONFIG_BOOKKEEPING
-from ..decoding.base import decode
 from ..decoding.jacobi import JacobiProposer
+from ..engine.run import decode
 from ..prompts import chat_prompts, read_prompts
 
 logger = logging.getLogger(__name__)

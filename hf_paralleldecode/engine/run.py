@@ -6,8 +6,8 @@ What it is for
     :func:`start` validates the request *before any forward pass* (clear ``ValueError`` naming
     the fix), prepares the cache, runs the prefill and commits each row's first token, returning a
     :class:`DecodeRun` that holds the target forward (:meth:`DecodeRun.forward`), the
-    :class:`~hf_paralleldecode.decoding.cache.SlotCache`, the
-    :class:`~hf_paralleldecode.decoding.commit.CommitLog` and the statistics.
+    :class:`~hf_paralleldecode.engine.cache.SlotCache`, the
+    :class:`~hf_paralleldecode.engine.commit.CommitLog` and the statistics.
     :meth:`DecodeRun.result` builds the stock output type plus decoding statistics.
 
 What it deliberately does not know
