@@ -243,6 +243,12 @@ class SlotCache:
             longest = max(self.host_num_valid(), default=0)
         return self.num_slots - longest > max(self.compact_min_holes, self.compact_ratio * longest)
 
+    def compact_if_worth_it(self) -> None:
+        """:meth:`compact` when the holes are worth it (the rule a commit applies): for a cache that is cut back
+        by other means than :meth:`commit` (a drafter's own cache at the end of a step)."""
+        if self._holes_worth_compacting():
+            self.compact()
+
     def compact(self) -> None:
         """Move each row's valid slots to the right end of the cache (order kept), dropping holes."""
         longest = max(self.host_num_valid(), default=0)

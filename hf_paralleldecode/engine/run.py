@@ -165,10 +165,19 @@ class DecodeRun:
     (emission in stock order). :meth:`step` wires them for one packed tree.
     """
 
-    def __init__(self, model, name, input_ids, generation_config, logits_processor, log, slots, rows):
+    def __init__(self, model, name, input_ids, generation_config, logits_processor, log, slots, rows,
+                 prompt_mask: torch.Tensor, prompt_positions: torch.Tensor):
         self.model = model
         self.name = name
         self.prompt = input_ids  # [batch, prompt_len]
+        self.prompt_mask = prompt_mask.bool()  # [batch, prompt_len] True for real tokens (the attention mask)
+        self.prompt_positions = prompt_positions  # [batch, prompt_len] the prefill's position ids
+        # each row's real prompt tokens moved to the front, in order (what context draws read)
+        self.packed_prompt = input_ids.gather(1, (~self.prompt_mask).long().argsort(dim=1, stable=True))
+        self.prompt_lengths = self.prompt_mask.long().sum(1)  # [batch] real prompt tokens
+        # Stock generation continues each row's position ids from the prompt's last one; with left
+        # padding that equals the number of real tokens, in general it is offset from it.
+        self.position_offset = prompt_positions[:, -1] + 1 - prompt_mask.long().sum(-1)  # [batch]
         self.generation_config = generation_config
         self.logits_processor = logits_processor
         self.log = log
@@ -381,16 +390,9 @@ def start(
     )
     slots = SlotCache(cache, attention_mask.bool(), dtype=model.dtype)
     rows = torch.arange(batch, device=input_ids.device)
-    run = DecodeRun(model, name, input_ids, generation_config, logits_processor, log, slots, rows)
+    run = DecodeRun(model, name, input_ids, generation_config, logits_processor, log, slots, rows,
+                    prompt_mask=attention_mask, prompt_positions=position_ids)
     run.target.token_type_ids = token_types
-    run.prompt_mask = attention_mask.bool()  # [batch, prompt_len]
-    # each row's real prompt tokens moved to the front, in order (what sample_context draws from)
-    run.packed_prompt = input_ids.gather(1, (~run.prompt_mask).long().argsort(dim=1, stable=True))
-    run.prompt_lengths = run.prompt_mask.long().sum(1)  # [batch]
-    run.prompt_positions = position_ids  # [batch, prompt_len]
-    # Stock generation continues each row's position ids from the prompt's last one; with left
-    # padding that equals the number of real tokens, in general it is offset from it.
-    run.position_offset = position_ids[:, -1] + 1 - attention_mask.long().sum(-1)  # [batch]
     if log.max_new_tokens == 0:
         return run
 
