@@ -145,9 +145,11 @@ def _recorded_marginals(model, drafter, ids, mask, **kw):
     calls = []
     original = diffusion_module.DiffusionState.marginals
 
-    def marginals(self, roots, root_pos, depth=None):
-        out = original(self, roots, root_pos, depth)
-        calls.append(([self.run.history(int(r)) for r in self.run.rows], out.clone()))
+    def marginals(self, step):
+        out = original(self, step)
+        committed, count = step.committed, step.num_committed
+        calls.append(([torch.cat([self.context.prompt[r], committed[r, : int(count[r])]]) for r in step.rows.tolist()],
+                      out.clone()))
         return out
 
     diffusion_module.DiffusionState.marginals = marginals

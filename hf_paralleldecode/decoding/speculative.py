@@ -46,7 +46,8 @@ import time
 
 import torch
 
-from ..drafters.base import Drafter, DraftStats, target_vocab_size
+from ..drafters.base import Drafter, DraftStats, check_state, target_vocab_size
+from ..drafters.context import DrafterContext, DraftNodes, DraftStep
 from ..drafters.loading import check_drafter_dtype, drafter_run_dtype, load_drafter
 from ..engine.draft_tree import TreeBuilder
 from ..engine.processors import prefix_independent, process_prefixes
@@ -121,7 +122,7 @@ class DraftProposer(Proposer):
 
     def __init__(self, run, drafter, state, vocab, budget, width, depth, waves, context_matches=0, context_tokens=10,
                  context_ngram_size=3, cost_aware=False, adaptive=True, max_step_tokens=None):
-        self.run, self.drafter, self.state, self.vocab = run, drafter, state, vocab
+        self.run, self.drafter, self.state, self.vocab = run, drafter, check_state(drafter, state), vocab
         self.context = (ContextNgrams(run, context_tokens, context_ngram_size, context_matches)
                         if context_matches else None)
         nodes = None
@@ -170,7 +171,8 @@ class DraftProposer(Proposer):
         run = self.run
         t_start = time.perf_counter()
         drafter_before = self.state.seconds
-        self.root_pos = run.next_positions()  # [active]
+        shape = self.shape
+        self.step = DraftStep.from_run(run, self.roots, self.depth if shape is None else shape.depth)
         if self.plain_step:  # the roots alone: no drafter forward, no tree (the drafter catches up later)
             self.state.end_step()
             self.host += time.perf_counter() - t_start
@@ -179,10 +181,9 @@ class DraftProposer(Proposer):
         budgets = [run.log.max_new_tokens - c for c in counts]
         roots = self.roots.tolist()
         width, depth, budget, context = self.width, self.depth, self.budget, self.context is not None
-        shape, drafting = self.shape, True
+        drafting = True
         if shape is not None:
             width, depth, budget, context, drafting = shape.width, shape.depth, shape.budget, shape.context, shape.drafter
-        self.step_depth = depth
         found = self.context.candidates(counts) if context else None
         if not drafting:  # a context chain: the first match alone, no drafter forward
             found = [[f[0][:depth]] if f else [] for f in found]
@@ -196,7 +197,7 @@ class DraftProposer(Proposer):
         histories = run.histories()
         row_ids = run.rows.tolist()
         q_store: dict[tuple[int, int], torch.Tensor] = {}
-        if self.state.expansion == "branches":
+        if self.drafter.expansion == "branches":
             self._grow_branches(builders, histories, row_ids, q_store)
         else:
             self._grow_marginals(builders, histories, row_ids, q_store)
@@ -256,7 +257,7 @@ class DraftProposer(Proposer):
         b = len(builders)
         if all(bld.max_depth == 0 for bld in builders):
             return  # nothing to draft this step (a plain step, or every row at its last token): no drafter forward
-        marginals = self.state.marginals(self.roots, self.root_pos, self.step_depth)  # [b, D, V] for depths 1..D
+        marginals = self.state.marginals(self.step)  # [b, D, V] for depths 1..D
         bs = marginals.shape[1]
         shared = None
         if not self.sample and prefix_independent(self.run.logits_processor or []):
@@ -289,9 +290,23 @@ class DraftProposer(Proposer):
                 for bld in builders:
                     bld.freeze()
                 continue
-            logits = self.state.expand(builders, wanted, self.roots, self.root_pos)
+            logits = self.state.expand(self.step, self._wave(builders, wanted))
             waves += 1
             self._evaluate(builders, self._flat(wanted), logits, histories, row_ids, q_store)
+
+    def _wave(self, builders, wanted) -> DraftNodes:
+        """The ``wanted`` nodes of every row's tree, flat (what a branch-expanding drafter evaluates)."""
+        rows, index, nodes, parents, tokens, depths = [], [], [], [], [], []
+        for i, wave in enumerate(wanted):
+            bld = builders[i]
+            for k, v in enumerate(wave):
+                rows.append(i)
+                index.append(k)
+                nodes.append(v)
+                parents.append(bld.parents[v])
+                tokens.append(bld.tokens[v])
+                depths.append(bld.depth[v])
+        return DraftNodes(rows, index, nodes, parents, tokens, depths, self.step.root_pos, len(builders))
 
     def _add_context(self, builders, found, ranks, first_paths) -> bool:
         """Insert each row's context continuations into its head tree (a trie: shared prefixes merge)
@@ -351,7 +366,7 @@ class DraftProposer(Proposer):
         return tree_from_parents(self.roots, [n[0] for n in nodes], [n[1] for n in nodes], [n[2] for n in nodes], q=q)
 
     def update(self, tree, verdict) -> None:
-        self.state.update(tree, verdict, self.root_pos)
+        self.state.update(self.step, tree, verdict)
         self.roots = verdict.tokens.gather(1, verdict.num_accepted[:, None]).squeeze(1)
         if self.plain_step:  # nothing drafted: not a step of the drafter's statistics
             return
@@ -487,12 +502,16 @@ def speculative(
     if drafter.expansion == "branches":
         settings["tree_waves"] = waves
     taps = HiddenStateTaps(model, drafter.tap_layers) if drafter.tap_layers else contextlib.nullcontext()
+
+    def proposer(run):
+        context = DrafterContext.from_run(run, taps if drafter.tap_layers else None, vocab)
+        return DraftProposer(run, drafter, drafter.start(context, depth, denoise_steps=denoise_steps), vocab,
+                             tree_budget, tree_width, depth, waves, context_matches, context_tokens, context_ngram_size,
+                             cost_aware, adaptive, max_step_tokens)
+
     with taps:  # hooks removed on exit
         return decode(
-            model, "speculative",
-            lambda run: DraftProposer(run, drafter, drafter.start(run, taps, vocab, depth, denoise_steps=denoise_steps),
-                                      vocab, tree_budget, tree_width, depth, waves, context_matches, context_tokens,
-                                      context_ngram_size, cost_aware, adaptive, max_step_tokens),
+            model, "speculative", proposer,
             input_ids, logits_processor, stopping_criteria, generation_config, streamer, model_kwargs, settings,
             pd_streamer=pd_streamer,
         )

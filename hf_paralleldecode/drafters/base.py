@@ -1,34 +1,48 @@
-"""The one interface every drafter kind implements, and the typed statistics of a drafted run.
+"""The contract every drafter kind implements (:class:`Drafter`, :class:`DrafterState`), its registry, and the
+typed statistics of a drafted run. ``docs/architecture.md`` is the page a new kind is written from.
 
-A drafter kind (a file of this package plus one entry of :data:`DRAFTER_KINDS`) owns
-    * its config and weights (loading them strictly: :mod:`.loading` recognises the formats);
-    * the slot layout its training and its inference share;
-    * its checks against the target (vocabulary, sizes, tapped layers, lengths);
-    * per run, a :class:`DrafterState` (made by :meth:`Drafter.start`): its cache of target features
-      or tokens, its per-row state, and its forwards.
+A drafter kind is one file: a :class:`Drafter` subclass (a ``torch.nn.Module``) registered with
+:func:`register_drafter_kind`, which checks the required members, and the :class:`DrafterState` its
+:meth:`Drafter.start` returns for each ``generate`` call. The kind owns its config and weights (its ``FORMATS``
+and :meth:`Drafter.read_checkpoint` are what :func:`~.loading.load_drafter` recognises and reads; its
+``EXPORT_FORMATS`` and :meth:`Drafter.export` what :func:`~.export.export_drafter` writes), the slot layout its
+training and inference share, and its checks against the target.
 
 What the tree grower (``decoding/speculative.py``) asks of a state, and nothing else
     * ``expansion == "marginals"`` (block drafters: DFlash heads, DEER): :meth:`DrafterState.marginals`
       gives per-depth distributions for a block after each row's root; a node at depth ``d`` takes its
       children from depth ``d + 1``.
     * ``expansion == "branches"`` (autoregressive / causal drafters: JetSpec tree-causal heads,
-      EAGLE-3): :meth:`DrafterState.expand` gives, for given nodes of the growing trees, the
+      EAGLE-3): :meth:`DrafterState.expand` gives, for one wave of nodes of the growing trees, the
       distribution of their children conditioned on the node's own branch.
     Both return logits over the *target's* vocabulary (``-inf`` for tokens the drafter cannot
     propose), so ``q`` is a distribution over the target vocabulary and rejection sampling stays exact.
     After verification :meth:`DrafterState.update` receives the tree, the verdict and (for drafters that
-    read target features) the verification forward's tapped features.
+    read target features) the verification forward's tapped features through the context's taps.
+    What a drafter receives is declared in :mod:`.context`; it never sees the decode run.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
-__all__ = ["Drafter", "DrafterState", "DraftStats", "DRAFTER_KINDS", "register_drafter_kind", "drafter_kind",
-           "target_vocab_size", "logit_rows", "SHIPPED_DRAFTERS", "shipped_drafter_dir", "ASSETS_DIR"]
+from ..compat import DynamicCache
+from ..engine.cache import SlotCache
+from .context import DrafterContext, DraftNodes, DraftStep
+from .formats import DrafterFormat
+
+if TYPE_CHECKING:
+    from ..engine.tree import PackedTree
+    from ..engine.verify import Verdict
+
+__all__ = ["Drafter", "DrafterState", "DraftStats", "DRAFTER_KINDS", "EXPANSIONS", "register_drafter_kind",
+           "drafter_kind", "check_state", "target_vocab_size", "target_facts", "default_target_layer_ids",
+           "logit_rows", "SHIPPED_DRAFTERS", "shipped_drafter_dir", "ASSETS_DIR"]
 
 #: the package's shipped checkpoints (the embedded models, heads and drafters)
 ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets"
@@ -41,6 +55,9 @@ SHIPPED_DRAFTERS = {
     "default-eagle3": "stdlib-coder-8m-eagle3",  # recipes/eagle3_tiny_cpu.yaml
 }
 
+#: how a drafter's state gives the children of a node (see the module docstring)
+EXPANSIONS = ("marginals", "branches")
+
 
 def shipped_drafter_dir(name) -> Path | None:
     """The folder of a shipped drafter alias (:data:`SHIPPED_DRAFTERS`), else ``None``."""
@@ -48,13 +65,80 @@ def shipped_drafter_dir(name) -> Path | None:
     return None if folder is None else ASSETS_DIR / folder
 
 
-class Drafter:
-    """Mixin of every drafter kind (an ``nn.Module`` or a ``PreTrainedModel`` besides)."""
+class Drafter(nn.Module):
+    """The interface of every drafter kind (a ``torch.nn.Module``; a kind may be a transformers ``PreTrainedModel``
+    besides). Required of a kind, checked by :func:`register_drafter_kind`: :attr:`kind`, :attr:`expansion`,
+    :meth:`check_target` and :meth:`start`, plus :meth:`read_checkpoint` when it lists :attr:`FORMATS` and
+    :meth:`export` when it lists :attr:`EXPORT_FORMATS`. Everything else has a default here.
+
+    From ``torch.nn.Module`` the loader and the proposer use ``to(device=..., dtype=...)`` (in place),
+    ``train()`` / ``eval()`` and ``parameters()``.
+    """
 
     #: the registry name (:data:`DRAFTER_KINDS`)
     kind: str = ""
-    #: ``"marginals"`` or ``"branches"`` (see the module docstring)
+    #: ``"marginals"`` or ``"branches"`` (see the module docstring); a property when it depends on the config
     expansion: str = "marginals"
+    #: the checkpoint layouts :func:`~.loading.load_drafter` recognises as this kind (each a
+    #: :class:`~.formats.DrafterFormat`: a name, a test on the folder's config, a weight-name map)
+    FORMATS: tuple[DrafterFormat, ...] = ()
+    #: the formats :func:`~.export.export_drafter` writes for this kind
+    EXPORT_FORMATS: tuple[str, ...] = ()
+
+    # ---- loading, saving, exporting ---------------------------------------------------------------
+    @classmethod
+    def read_checkpoint(cls, fmt: DrafterFormat, folder: Path, config: dict) -> Drafter:
+        """A drafter from a folder one of :attr:`FORMATS` (``fmt``) recognised; ``config``: its ``config.json`` (or
+        ``{}``). Strict: a missing or unexpected weight raises ``ValueError`` (:func:`~.formats.load_strict`)."""
+        raise NotImplementedError(f"The {cls.kind!r} drafter kind reads no checkpoint formats.")
+
+    def export(self, directory: Path, format: str, verifier=None) -> Path:
+        """Write the drafter in ``format`` (one of :attr:`EXPORT_FORMATS`, checked by the caller) to ``directory``
+        (created); return it. ``verifier``: the target a format that names one records (a model, folder or repo id;
+        ``None``: the drafter's own record)."""
+        raise NotImplementedError(f"A {self.describe()} has no export formats.")
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """Save the drafter where :func:`~.loading.load_drafter` reads it back (a bundle's ``drafter/``): the model
+        class's own ``save_pretrained`` (transformers' for a ``PreTrainedModel`` kind), else the kind defines it."""
+        parent = getattr(super(), "save_pretrained", None)
+        if parent is None:
+            raise NotImplementedError(f"A {self.describe()} cannot be saved: its kind defines no "
+                                      "save_pretrained(save_directory).")
+        return parent(save_directory, *args, **kwargs)
+
+    # ---- where it runs ------------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        """The device of its weights (the first parameter's)."""
+        return next(p.device for p in self.parameters())
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of its weights (the first floating-point parameter's)."""
+        return next(p.dtype for p in self.parameters() if p.is_floating_point())
+
+    def copy_to(self, device=None, dtype=None):
+        """A copy of the drafter that shares no weights or state with this one, on ``device`` / ``dtype`` (unbound: what
+        this one borrowed from its target, if anything, is not copied)."""
+        import copy
+
+        borrowed = self.__dict__.get("_target")
+        twin = copy.deepcopy(self, {id(borrowed): []} if borrowed is not None else {})
+        return twin.to(device=device, dtype=dtype)
+
+    # ---- the target -----------------------------------------------------------------------------------
+    def check_target(self, target, tokenizer=None) -> None:
+        """``ValueError`` naming the mismatch when ``target`` is not a model this drafter drafts for (``tokenizer``:
+        the target's, when the caller has it)."""
+        raise NotImplementedError(f"The {self.kind!r} drafter kind defines no check_target(target, tokenizer=None).")
+
+    def bind(self, target) -> Drafter:
+        """Check ``target`` (:meth:`check_target`) and borrow what the drafter reads of it (embeddings, LM head, its
+        depth); returns self. Called before :meth:`start` on every call. What :attr:`tap_layers` names may depend on
+        it (an EAGLE-3 checkpoint that records no taps)."""
+        self.check_target(target)
+        return self
 
     @property
     def tap_layers(self) -> list[int] | None:
@@ -71,26 +155,7 @@ class Drafter:
         """``tree_depth`` when the call does not set it."""
         return self.max_depth or 8
 
-    def check_target(self, target, tokenizer=None) -> None:  # pragma: no cover - interface
-        """``ValueError`` naming the mismatch when ``target`` is not a model this drafter drafts for."""
-        raise NotImplementedError
-
-    def bind(self, target):
-        """Check ``target`` (:meth:`check_target`) and borrow what the drafter reads of it (embeddings, LM head, its
-        depth); returns self. What :attr:`tap_layers` names may depend on it (an EAGLE-3 checkpoint that records
-        no taps)."""
-        self.check_target(target)
-        return self
-
-    def copy_to(self, device=None, dtype=None):
-        """A copy of the drafter that shares no weights or state with this one, on ``device`` / ``dtype`` (unbound: what
-        this one borrowed from its target, if anything, is not copied)."""
-        import copy
-
-        borrowed = self.__dict__.get("_target")
-        twin = copy.deepcopy(self, {id(borrowed): []} if borrowed is not None else {})
-        return twin.to(device=device, dtype=dtype)
-
+    # ---- the call's settings ------------------------------------------------------------------------
     def check_length(self, max_length: int) -> None:
         """``ValueError`` when the drafter cannot draft a generation of ``max_length`` tokens."""
 
@@ -110,47 +175,103 @@ class Drafter:
         """A few words naming the drafter in messages."""
         return self.kind
 
-    def run_settings(self) -> dict:
-        """What ``output.stats`` reports about the drafter (its kind and kind-specific settings)."""
+    def run_settings(self, depth: int, denoise_steps: int | None = None) -> dict:
+        """What ``output.stats`` reports about the drafter for a call of ``depth`` levels (its kind and kind-specific
+        settings)."""
         return {"drafter": self.kind}
 
-    def start(self, run, taps, vocab: int, depth: int, **settings) -> DrafterState:  # pragma: no cover - interface
-        """The state of one ``generate`` call (``run``: the decode run after the prefill; ``taps``: the
-        :class:`~hf_paralleldecode.engine.target.HiddenStateTaps` of :attr:`tap_layers`, or ``None``)."""
-        raise NotImplementedError
+    def start(self, context: DrafterContext, depth: int, denoise_steps: int | None = None) -> DrafterState:
+        """The state of one ``generate`` call, after the prefill (``context``: the prompts, the taps of
+        :attr:`tap_layers`, the target's vocabulary; ``depth``: the call's ``tree_depth``; ``denoise_steps``: the
+        call's, checked by :meth:`check_settings`)."""
+        raise NotImplementedError(f"The {self.kind!r} drafter kind defines no start(context, depth, denoise_steps).")
 
 
 class DrafterState:
-    """A drafter's per-call state for the active rows (see the module docstring)."""
+    """A drafter's per-call state for the active rows (see the module docstring).
 
-    expansion = "marginals"
+    Its statistics (``output.draft_stats``): ``forwards``, ``seconds`` (their time), ``fed_tokens`` (input slots,
+    summed over forwards) and ``skipped_tokens`` (committed tokens left out of the drafter's context), which the
+    state counts itself.
+
+    The per-call cache a drafter with its own KV cache keeps lives here once: :meth:`open_cache` makes
+    :attr:`slots` (a :class:`~hf_paralleldecode.engine.cache.SlotCache` over a ``DynamicCache``: committed context,
+    then the slots this step drafted, ``step_slots`` of them); :meth:`place` records which of them each node of a branch
+    drafter's trees holds; :meth:`end_step` crops the step's slots and compacts, :meth:`select` follows finished rows.
+    """
 
     def __init__(self):
         self.forwards = 0  # drafter forwards
         self.seconds = 0.0  # their time
         self.fed_tokens = 0  # input slots fed, summed over forwards
         self.skipped_tokens = 0  # committed tokens left out of the drafter's context (a capped catch-up)
+        self.slots: SlotCache | None = None  # the drafter's own cache (open_cache), if any
+        self.step_slots = 0  # slots this step appended after the context (end_step crops them)
+        self._branches: list[dict[int, tuple[int, ...]]] = []  # per row: node -> block slots of it and its ancestors
 
-    def marginals(self, roots: torch.Tensor, root_pos: torch.Tensor, depth: int | None = None) -> torch.Tensor:
-        """``[active, D, V]`` raw logits for depths ``1..D`` after each row's root. ``depth``: the depths this step
-        needs (a drafter whose cost depends on it may feed a shorter block; it may also return more)."""
-        raise NotImplementedError
+    # ---- the step (what the tree grower calls) ---------------------------------------------------
+    def marginals(self, step: DraftStep) -> torch.Tensor:
+        """``"marginals"`` drafters: ``[active, D, V]`` raw logits for depths ``1..D`` after each row's root, with
+        ``D >= step.depth`` (a drafter whose cost depends on it may feed a shorter block; it may return more)."""
+        raise NotImplementedError(f"{type(self).__name__} defines no marginals(step).")
 
-    def expand(self, builders, wanted: list[list[int]], roots: torch.Tensor, root_pos: torch.Tensor) -> torch.Tensor:
-        """Raw logits ``[n, V]`` of the children of the ``wanted`` nodes (per row, node ids of
-        ``builders[i]``), in row-major order; ``None`` from a state that can expand no further this step."""
-        raise NotImplementedError  # pragma: no cover
+    def expand(self, step: DraftStep, nodes: DraftNodes) -> torch.Tensor:
+        """``"branches"`` drafters: raw logits ``[len(nodes), V]`` of the children of one wave of ``nodes``, in their
+        order, each conditioned on its own branch; the first wave of a step is every drafting row's root."""
+        raise NotImplementedError(f"{type(self).__name__} defines no expand(step, nodes).")
 
-    def update(self, tree, verdict, root_pos: torch.Tensor) -> None:  # pragma: no cover - interface
-        """Learn what was committed (accepted path + bonus token)."""
-        raise NotImplementedError
+    def update(self, step: DraftStep, tree: PackedTree, verdict: Verdict) -> None:
+        """Learn what the verification of ``step``'s ``tree`` committed: ``verdict.path`` ``[active, L]`` (accepted
+        nodes from the root, -1 past the end), ``verdict.num_accepted`` ``[active]``, ``verdict.tokens``
+        ``[active, L]`` (committed: the accepted drafts, then the target's bonus token); ``tree.depth``
+        ``[active, nodes]``. A plain step (the roots alone, nothing drafted) is verified and learnt too."""
+        raise NotImplementedError(f"{type(self).__name__} defines no update(step, tree, verdict).")
 
     def end_step(self) -> None:
-        """Drop this step's drafted slots."""
+        """Drop this step's drafted slots (the cache's last :attr:`step_slots` slots) and forget the step's nodes; compact
+        the cache when its holes are worth it."""
+        if self.slots is None:
+            return
+        if self.step_slots:
+            self.slots.cache.crop(-self.step_slots)
+            self.step_slots = 0
+        for placed in self._branches:
+            placed.clear()
+        self.slots.compact_if_worth_it()
 
-    def select(self, kept: torch.Tensor) -> None:  # pragma: no cover - interface
-        """Keep only the rows ``kept`` (positions among the active rows)."""
-        raise NotImplementedError
+    def select(self, kept: torch.Tensor) -> None:
+        """Keep only the rows ``kept`` (positions among the active rows); a state with per-row tensors of its own
+        narrows them after calling this."""
+        if self.slots is not None:
+            self.slots.select_rows(kept)
+            self._branches = [{} for _ in range(len(kept))]  # (end_step emptied them)
+
+    # ---- the cache bookkeeping -----------------------------------------------------------------------
+    def open_cache(self, batch: int, device, dtype: torch.dtype) -> SlotCache:
+        """Give the state its own empty KV cache for ``batch`` rows (keys and values in ``dtype``): :attr:`slots`."""
+        self.slots = SlotCache(DynamicCache(), torch.zeros(batch, 0, dtype=torch.bool, device=device), dtype)
+        self._branches = [{} for _ in range(batch)]
+        return self.slots
+
+    def place(self, row: int, node: int, parent: int, slot: int) -> tuple[int, ...]:
+        """Record that ``node`` of active row ``row`` (child of ``parent``) holds block slot ``slot`` this step; return
+        the block slots of its ancestors placed this step (what its slot must see besides the context and itself)."""
+        above = self._branches[row].get(parent, ())
+        self._branches[row][node] = above + (slot,)
+        return above
+
+
+def check_state(drafter: Drafter, state: DrafterState) -> DrafterState:
+    """``state`` as :meth:`Drafter.start` returned it, or ``TypeError`` naming the members its drafter's
+    :attr:`~Drafter.expansion` needs and it lacks."""
+    if not isinstance(state, DrafterState):
+        raise TypeError(f"{type(drafter).__name__}.start() returned a {type(state).__name__}, not a DrafterState.")
+    needed = ("marginals" if drafter.expansion == "marginals" else "expand", "update")
+    missing = [name for name in needed if _owner(type(state), name) is DrafterState]
+    if missing:
+        raise TypeError(f"{type(state).__name__}, the state of a {drafter.expansion!r} drafter ({drafter.describe()}), "
+                        f"defines no {' or '.join(missing)}: see docs/architecture.md.")
+    return state
 
 
 @dataclass
@@ -195,14 +316,33 @@ class DraftStats:
         return out
 
 
-#: drafter kind name -> class; adding a kind = one file plus one entry (:func:`register_drafter_kind`)
+#: drafter kind name -> class; adding a kind = one file whose class is decorated with :func:`register_drafter_kind`
+#: (the built-in kinds are imported by the package, ``drafters/__init__.py``)
 DRAFTER_KINDS: dict[str, type] = {}
 
 
+def _owner(cls: type, name: str) -> type | None:
+    """The class of ``cls``'s MRO that defines ``name``."""
+    return next((k for k in cls.__mro__ if name in vars(k)), None)
+
+
 def register_drafter_kind(cls):
-    """Class decorator: add a :class:`Drafter` subclass to :data:`DRAFTER_KINDS` under its ``kind``."""
-    if not cls.kind or cls.kind in DRAFTER_KINDS:
+    """Class decorator: add a :class:`Drafter` subclass to :data:`DRAFTER_KINDS` under its ``kind``, after checking
+    that it defines the required members (``ValueError`` naming the missing ones)."""
+    if not (isinstance(cls, type) and issubclass(cls, Drafter)):
+        raise ValueError(f"register_drafter_kind takes a subclass of Drafter, got {cls!r}.")
+    if not isinstance(cls.kind, str) or not cls.kind or cls.kind in DRAFTER_KINDS:
         raise ValueError(f"drafter kind {cls.kind!r} is empty or registered twice")
+    expansion = vars(cls).get("expansion", cls.expansion)
+    if not isinstance(expansion, property) and expansion not in EXPANSIONS:
+        raise ValueError(f"drafter kind {cls.kind!r}: expansion must be one of {EXPANSIONS}, got {expansion!r}.")
+    required = ["check_target", "start"] + (["read_checkpoint"] if cls.FORMATS else []) + \
+        (["export"] if cls.EXPORT_FORMATS else [])
+    missing = [name for name in required if _owner(cls, name) is Drafter]
+    if missing:
+        raise ValueError(f"drafter kind {cls.kind!r} ({cls.__name__}) does not define {', '.join(missing)}: every kind "
+                         "defines check_target and start, and read_checkpoint / export when it lists FORMATS / "
+                         "EXPORT_FORMATS (docs/architecture.md).")
     DRAFTER_KINDS[cls.kind] = cls
     return cls
 
@@ -210,6 +350,31 @@ def register_drafter_kind(cls):
 def drafter_kind(obj) -> str | None:
     """The registered kind of a drafter object, ``None`` for anything else."""
     return obj.kind if isinstance(obj, Drafter) and obj.kind in DRAFTER_KINDS else None
+
+
+def target_facts(target) -> dict:
+    """What a drafter records of its target: hidden size, vocabulary rows (input embeddings), decoder layers and
+    ``model_type``, as ``target_*`` keys."""
+    config = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
+    return dict(
+        target_hidden_size=int(config.hidden_size),
+        target_vocab_size=int(target.get_input_embeddings().weight.shape[0]),
+        target_num_hidden_layers=int(config.num_hidden_layers),
+        target_model_type=getattr(config, "model_type", None),
+    )
+
+
+def default_target_layer_ids(num_target_layers: int, count: int) -> list[int]:
+    """``count`` layers spread evenly over ``1 .. L - 3`` (the last layers are the LM head's business).
+
+    Small targets use every layer they have except the last one.
+    """
+    if num_target_layers <= 3:
+        return sorted({min(i, num_target_layers - 1) for i in range(min(count, num_target_layers))})
+    lo, hi = 1, num_target_layers - 3
+    if count == 1:
+        return [(lo + hi) // 2]
+    return sorted({round(lo + i * (hi - lo) / (count - 1)) for i in range(count)})
 
 
 def logit_rows(model) -> int | None:

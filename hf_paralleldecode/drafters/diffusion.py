@@ -74,8 +74,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..compat import DynamicCache, attn_implementation, cache_kwargs
-from ..engine.cache import SlotCache
+from ..compat import attn_implementation, cache_kwargs
 from .base import (
     SHIPPED_DRAFTERS,
     Drafter,
@@ -85,6 +84,7 @@ from .base import (
     shipped_drafter_dir,
     target_vocab_size,
 )
+from .context import DrafterContext, DraftStep
 from .formats import DrafterFormat
 
 __all__ = ["DiffusionDrafter", "DiffusionDrafterConfig", "DIFFUSION_ATTENTIONS", "EMBEDDED_DRAFTERS",
@@ -413,13 +413,13 @@ class DiffusionDrafter(Drafter, nn.Module):
     def _steps(self, depth: int, denoise_steps: int | None) -> int:
         return denoise_steps or min(self.config.denoise_steps, depth)
 
-    def run_settings(self, depth: int, denoise_steps: int | None = None, **settings) -> dict:
+    def run_settings(self, depth: int, denoise_steps: int | None = None) -> dict:
         c = self.config
         return {"drafter": self.kind, "diffusion_attention": c.attention,
                 "denoise_steps": self._steps(depth, denoise_steps), "block_size": c.block_size}
 
-    def start(self, run, taps, vocab: int, depth: int, denoise_steps: int | None = None, **settings):
-        return DiffusionState(run, self, vocab, depth, self._steps(depth, denoise_steps))
+    def start(self, context: DrafterContext, depth: int, denoise_steps: int | None = None) -> DiffusionState:
+        return DiffusionState(context, self, depth, self._steps(depth, denoise_steps))
 
     # ---- running ------------------------------------------------------------------------------
     def forward(self, input_ids, attention_mask=None, position_ids=None, cache=None, **kwargs):
@@ -578,19 +578,20 @@ class DiffusionDrafter(Drafter, nn.Module):
 
 
 class DiffusionState(DrafterState):
-    """A DEER drafter's side of one call: draft marginals for the active rows of ``run`` (see "Drafting" in
-    the module docstring)."""
+    """A DEER drafter's side of one call: draft marginals for the active rows (see "Drafting" in the module
+    docstring)."""
 
     #: block-causal drafters: the most committed tokens per row one drafter forward catches up on after steps that
     #: did not draft (plain steps of the batch policy), the last step's tokens always included; ``None``: all of them
     max_catch_up: int | None = 16
 
-    def __init__(self, run, drafter, vocab: int, depth: int | None = None, steps: int | None = None):
+    def __init__(self, context: DrafterContext, drafter: DiffusionDrafter, depth: int | None = None,
+                 steps: int | None = None):
         super().__init__()
-        self.run, self.drafter, self.vocab = run, drafter, vocab
+        self.context, self.drafter, self.vocab = context, drafter, context.vocab
         c = drafter.config
         self.causal = c.attention == "block_causal"
-        device = run.rows.device
+        device = context.device
         depth = c.block_size if depth is None else depth  # masks fed per step: the tree's depth
         self.block = torch.tensor(drafter.block_ids(depth), dtype=torch.long, device=device)  # [L]
         self.query = drafter.query_index(depth).to(device)  # [k] into [anchor] + block
@@ -599,13 +600,12 @@ class DiffusionState(DrafterState):
         self.steps = min(steps or c.denoise_steps, depth)
         self._fed_prompt = False
         if self.causal:
-            b = run.rows.shape[0]
-            self.slots = SlotCache(DynamicCache(), torch.zeros(b, 0, dtype=torch.bool, device=device), drafter.dtype)
-            roots = run.log.tokens[run.rows, 0]
+            self.open_cache(context.prompt.shape[0], device, drafter.dtype)
+            roots = context.first_tokens
             self.pending = (  # the prompt (left-padded) and the first committed token, not yet fed
-                torch.cat([run.prompt[run.rows], roots[:, None]], dim=1),
-                torch.cat([run.prompt_positions[run.rows], run.next_positions()[:, None]], dim=1),
-                torch.cat([run.prompt_mask[run.rows], torch.ones_like(roots[:, None], dtype=torch.bool)], dim=1),
+                torch.cat([context.prompt, roots[:, None]], dim=1),
+                torch.cat([context.prompt_positions, context.first_positions[:, None]], dim=1),
+                torch.cat([context.prompt_mask, torch.ones_like(roots[:, None], dtype=torch.bool)], dim=1),
             )
 
     # ---- forwards -------------------------------------------------------------------------------
@@ -618,7 +618,7 @@ class DiffusionState(DrafterState):
         self.seconds += time.perf_counter() - t0
         self.forwards += 1
         self.fed_tokens += int(kwargs["input_ids"].numel())
-        return logits.to(self.run.rows.device)
+        return logits.to(self.context.device)
 
     def _causal_forward(self, block: torch.Tensor, root_pos: torch.Tensor, first: bool) -> torch.Tensor:
         """``[b, 1 + L, Vd]`` logits of ``[anchor] + block``; the first forward of a step also feeds the queue."""
@@ -651,23 +651,22 @@ class DiffusionState(DrafterState):
             return logits
         return torch.cat([self._anchor, logits], dim=1)
 
-    def _window(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def _window(self, step: DraftStep) -> tuple[torch.Tensor, torch.Tensor]:
         """Each active row's last ``context_window`` committed tokens (prompt included), left-aligned:
         ``ids [b, w_max]`` and ``lengths [b]``."""
-        run = self.run
-        rows = run.rows
-        plen = run.prompt_lengths[rows]
-        total = plen + run.log.count[rows]
+        rows, context = step.rows, self.context
+        plen = context.prompt_lengths[rows]
+        total = plen + step.num_committed[rows]
         w = total.clamp(max=self.drafter.context_window)
         j = torch.arange(int(w.max()), device=rows.device)
         virtual = (total - w)[:, None] + j  # index into [real prompt tokens, committed tokens]
-        physical = torch.where(virtual < plen[:, None], virtual, run.prompt.shape[1] + virtual - plen[:, None])
-        context = torch.cat([run.packed_prompt[rows], run.log.tokens[rows]], dim=1)
-        return context.gather(1, physical.clamp(max=context.shape[1] - 1)), w
+        physical = torch.where(virtual < plen[:, None], virtual, context.prompt.shape[1] + virtual - plen[:, None])
+        tokens = torch.cat([context.packed_prompt[rows], step.committed[rows]], dim=1)
+        return tokens.gather(1, physical.clamp(max=tokens.shape[1] - 1)), w
 
-    def _bidirectional_forward(self, block: torch.Tensor) -> torch.Tensor:
+    def _bidirectional_forward(self, block: torch.Tensor, step: DraftStep) -> torch.Tensor:
         """``[b, 1 + L, Vd]`` logits of ``[anchor] + block`` from one forward over window + block (right-padded)."""
-        window, w = self._window()
+        window, w = self._window(step)
         b, L = block.shape
         device = block.device
         width = window.shape[1] + L
@@ -691,18 +690,20 @@ class DiffusionState(DrafterState):
                                    self.drafter.query_index(depth).to(device))
         return self._blocks[depth]
 
-    def marginals(self, roots: torch.Tensor, root_pos: torch.Tensor, depth: int | None = None) -> torch.Tensor:
-        """Draft logits ``[active, k, V]`` (fp32, the target's vocabulary) for depths ``1..k``; ``depth`` feeds a
-        shorter block this step (a cheaper drafter forward), at most the call's ``tree_depth``."""
+    def marginals(self, step: DraftStep) -> torch.Tensor:
+        """Draft logits ``[active, k, V]`` (fp32, the target's vocabulary) for depths ``1..k``; a step shallower than
+        the call's ``tree_depth`` (``step.depth``) feeds a shorter block (a cheaper drafter forward)."""
+        roots, root_pos = step.roots, step.root_pos
         b = roots.shape[0]
-        base, query = self._block(depth)
+        base, query = self._block(step.depth)
         block = base[None].expand(b, -1).clone()
         k = query.shape[0]
         steps = min(self.steps, k)
         masked = torch.ones(b, k, dtype=torch.bool, device=roots.device)
         out = None
         for s in range(steps):
-            logits = self._causal_forward(block, root_pos, s == 0) if self.causal else self._bidirectional_forward(block)
+            logits = self._causal_forward(block, root_pos, s == 0) if self.causal else \
+                self._bidirectional_forward(block, step)
             q = logits[:, query, : self.vocab].float()  # [b, k, V]
             out = q if out is None else torch.where(masked[..., None], q, out)
             if s == steps - 1:
@@ -715,8 +716,9 @@ class DiffusionState(DrafterState):
             block.scatter_(1, pick + self.first_mask - 1, q.argmax(-1).gather(1, pick))
         return out
 
-    def update(self, tree, verdict, root_pos: torch.Tensor) -> None:
+    def update(self, step: DraftStep, tree, verdict) -> None:
         """Queue each row's newly committed tokens (accepted drafts + bonus) for the next forward."""
+        root_pos = step.root_pos
         if not self.causal:
             return  # the window is read from the commit log
         if verdict.tokens.shape[1] == 1:  # a plain step: one token per row, the new anchor
@@ -742,12 +744,7 @@ class DiffusionState(DrafterState):
             pending = tuple(t[:, -cap:] for t in pending)
         self.pending = pending
 
-    def end_step(self) -> None:
-        if self.causal and self.slots._holes_worth_compacting():
-            self.slots.compact()
-
     def select(self, kept: torch.Tensor) -> None:
-        if self.causal:
-            self.slots.select_rows(kept)
-            if self.pending is not None:
-                self.pending = tuple(t[kept] for t in self.pending)
+        super().select(kept)
+        if self.causal and self.pending is not None:
+            self.pending = tuple(t[kept] for t in self.pending)

@@ -45,11 +45,18 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
-from ..compat import DynamicCache, HeadPreTrainedModel, activation, apply_rotary, rotary_embedding
-from ..engine.cache import SlotCache
-from .base import CardSaving, Drafter, DrafterState, register_drafter_kind
+from ..compat import HeadPreTrainedModel, activation, apply_rotary, rotary_embedding
+from .base import (
+    CardSaving,
+    Drafter,
+    DrafterState,
+    default_target_layer_ids,
+    register_drafter_kind,
+    target_facts,
+)
+from .context import DrafterContext, DraftNodes, DraftStep
 from .formats import PROJECT_KEY, DrafterFormat, hs_to_layer_ids, layer_settings, load_strict, read_tensors
-from .head import _target_facts, default_target_layer_ids
+from .loading import load_drafter
 
 __all__ = ["Eagle3Config", "Eagle3Drafter", "EAGLE3_FORMATS", "ttt_step_mask", "reference_tap_layers"]
 
@@ -361,7 +368,7 @@ class Eagle3Drafter(CardSaving, Drafter, HeadPreTrainedModel):
         ``L // 2``, ``L - 3``, i.e. outputs of ``1``, ``L // 2 - 1``, ``L - 4``; small targets: spread evenly),
         the target's attention shape and RoPE, the full vocabulary unless ``draft_vocab_size`` is given (then
         the first ``draft_vocab_size`` ids until :meth:`set_draft_vocab` picks the frequent ones)."""
-        facts = _target_facts(target_model)
+        facts = target_facts(target_model)
         cfg = target_model.config.get_text_config() if hasattr(target_model.config, "get_text_config") \
             else target_model.config
         L = facts["target_num_hidden_layers"]
@@ -405,7 +412,7 @@ class Eagle3Drafter(CardSaving, Drafter, HeadPreTrainedModel):
 
     def check_target(self, target_model, tokenizer=None) -> None:
         """``ValueError`` naming the mismatch when ``target_model`` is not the drafter's target."""
-        facts = _target_facts(target_model)
+        facts = target_facts(target_model)
         c = self.config
         wrong = [f"{key[len('target_'):].replace('_', ' ')}: drafter expects {getattr(c, key)}, target has {value}"
                  for key, value in facts.items()
@@ -479,7 +486,7 @@ class Eagle3Drafter(CardSaving, Drafter, HeadPreTrainedModel):
         c = self.config
         if c.target_layer_ids is not None:
             return list(c.target_layer_ids)
-        layers = _target_facts(self._target[0])["target_num_hidden_layers"] if self._target else \
+        layers = target_facts(self._target[0])["target_num_hidden_layers"] if self._target else \
             c.target_num_hidden_layers
         if layers is None:
             raise ValueError("This EAGLE-3 drafter records no tapped layers: EAGLE-3's reference rule takes them from "
@@ -493,12 +500,8 @@ class Eagle3Drafter(CardSaving, Drafter, HeadPreTrainedModel):
     def describe(self) -> str:
         return "EAGLE-3 drafter"
 
-    def run_settings(self, depth: int, **settings) -> dict:
-        return {"drafter": self.kind}
-
-    def start(self, run, taps, vocab: int, depth: int, **settings) -> Eagle3State:
-        self.bind(run.model)
-        return Eagle3State(run, self, taps, vocab)
+    def start(self, context: DrafterContext, depth: int, denoise_steps: int | None = None) -> Eagle3State:
+        return Eagle3State(context, self)
 
     # ---- loading and saving ------------------------------------------------------------------------------
     @classmethod
@@ -518,8 +521,6 @@ class Eagle3Drafter(CardSaving, Drafter, HeadPreTrainedModel):
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
         """A drafter saved by :meth:`save_pretrained`, a shipped alias, or any EAGLE-3 layout (strict)."""
-        from .loading import load_drafter
-
         drafter = load_drafter(pretrained_model_name_or_path, cache=False, **kwargs)
         if not isinstance(drafter, cls):
             raise ValueError(f"{pretrained_model_name_or_path!s} holds a {type(drafter).__name__}, not an EAGLE-3 "
@@ -542,21 +543,14 @@ class Eagle3State(DrafterState):
     """An EAGLE-3 drafter's side of one call: its KV cache of context slots ``(g_t, x_{t+1})`` per row, the slots
     committed since the last step (the last of them is the root slot), and this step's tree slots."""
 
-    expansion = "branches"
-
-    def __init__(self, run, drafter: Eagle3Drafter, taps, vocab: int):
+    def __init__(self, context: DrafterContext, drafter: Eagle3Drafter):
         super().__init__()
-        self.drafter, self.taps, self.vocab = drafter, taps, vocab
-        device = run.rows.device
-        b = run.rows.shape[0]
-        self.slots = SlotCache(DynamicCache(), torch.zeros(b, 0, dtype=torch.bool, device=device), drafter.dtype)
-        self.block = 0
-        feats = taps.features().to(device)  # [b, P, F] of the prefill
-        roots = run.log.tokens[run.rows, 0]
-        nxt = torch.cat([run.prompt[run.rows, 1:], roots[:, None]], dim=1)  # x_{t+1} of every prompt position t
-        self.pending = (feats, nxt, run.prompt_positions[run.rows], run.prompt_mask[run.rows].bool())
+        self.drafter, self.taps, self.vocab = drafter, context.taps, context.vocab
+        self.open_cache(context.prompt.shape[0], context.device, drafter.dtype)
+        feats = self.taps.features().to(context.device)  # [b, P, F] of the prefill
+        nxt = torch.cat([context.prompt[:, 1:], context.first_tokens[:, None]], dim=1)  # x_{t+1} of every position t
+        self.pending = (feats, nxt, context.prompt_positions, context.prompt_mask)
         self._buf = None  # [b, nodes, H] this step's output state of every node (see _states)
-        self._slot: list[dict[int, int]] = [{} for _ in range(b)]  # node -> its block slot
 
     def _forward(self, embeds, hidden, positions, visible_new) -> tuple[torch.Tensor, torch.Tensor]:
         """Feed ``s`` new slots; ``visible_new`` ``[b, s, block + s]`` among this step's slots; every new slot also
@@ -576,7 +570,7 @@ class Eagle3State(DrafterState):
         b, m = tokens.shape
         causal = torch.ones(m, m, dtype=torch.bool, device=tokens.device).tril()
         visible = (causal[None] & valid[:, None, :]) | torch.eye(m, dtype=torch.bool, device=tokens.device)[None]
-        assert self.block == 0
+        assert self.step_slots == 0
         state, logits = self._forward(self.drafter.embed(tokens), self.drafter.fuse(feats), positions, visible)
         self.slots.valid = torch.cat([self.slots.valid, valid], dim=1)
         self.pending = None
@@ -592,51 +586,40 @@ class Eagle3State(DrafterState):
             self._buf = grown
         return self._buf
 
-    def expand(self, builders, wanted, roots, root_pos) -> torch.Tensor:
-        b = len(builders)
-        device = roots.device
-        if any(0 in w for w in wanted):  # the first wave: the root slots (and the slots committed before them)
-            assert all(nodes == [0] for nodes in wanted if nodes)
+    def expand(self, step: DraftStep, nodes: DraftNodes) -> torch.Tensor:
+        b, device = nodes.batch, step.roots.device
+        host = nodes.host
+        if 0 in host.nodes:  # the first wave: the root slots (and the slots committed before them)
+            assert all(v == 0 for v in host.nodes)
             state, logits = self._feed_pending()
-            self._states(b, max(len(bld.tokens) for bld in builders) + 1)[:, 0] = state
-            rows = torch.tensor([i for i, nodes in enumerate(wanted) if nodes], dtype=torch.long, device=device)
-            return self.drafter.target_logits(logits[rows], self.vocab)
-        s = max(len(w) for w in wanted)
-        base = self.block
-        # host lists first, then one tensor write each (a wave holds up to tree_budget nodes)
-        ri, ki, toks, parents, nodes_ids, depths, vr, vq, vk = [], [], [], [], [], [], [], [], []
-        for i, nodes in enumerate(wanted):
-            bld, slot = builders[i], self._slot[i]
-            for k, v in enumerate(nodes):
-                ri.append(i)
-                ki.append(k)
-                toks.append(bld.tokens[v])
-                parents.append(bld.parents[v])
-                nodes_ids.append(v)
-                depths.append(bld.depth[v])
-                for a in bld.path(v)[:-1]:  # ancestors below the root (the root slot is context)
-                    vr.append(i)
-                    vq.append(k)
-                    vk.append(slot[a])
-                slot[v] = base + k
-        ri_t, ki_t = torch.tensor(ri, device=device), torch.tensor(ki, device=device)
-        buf = self._states(b, max(len(bld.tokens) for bld in builders) + 1)
+            self._states(b, 1)[:, 0] = state
+            return self.drafter.target_logits(logits[nodes.rows], self.vocab)
+        s = nodes.width
+        base = self.step_slots
+        vr, vq, vk = [], [], []  # (row, slot, key slot) pairs that may attend: the host lists first, one write after
+        for i, k, v, parent in zip(host.rows, host.index, host.nodes, host.parents):
+            for a in self.place(i, v, parent, base + k):  # ancestors below the root (the root slot is context)
+                vr.append(i)
+                vq.append(k)
+                vk.append(a)
+        ri_t, ki_t = nodes.rows, nodes.index
+        buf = self._states(b, max(host.nodes) + 1)
         tokens = torch.zeros(b, s, dtype=torch.long, device=device)
-        tokens[ri_t, ki_t] = torch.tensor(toks, device=device)
+        tokens[ri_t, ki_t] = nodes.tokens
         hidden = torch.zeros(b, s, self.drafter.config.hidden_size, dtype=self.drafter.dtype, device=device)
-        hidden[ri_t, ki_t] = buf[ri_t, torch.tensor(parents, device=device)]
-        pos = root_pos[:, None].repeat(1, s)
-        pos[ri_t, ki_t] = root_pos[ri_t] + torch.tensor(depths, device=device) - 1
+        hidden[ri_t, ki_t] = buf[ri_t, nodes.parents]
+        pos = step.root_pos[:, None].repeat(1, s)
+        pos[ri_t, ki_t] = nodes.positions - 1
         visible = torch.zeros(b, s, base + s, dtype=torch.bool, device=device)
         visible[:, torch.arange(s), base + torch.arange(s)] = True  # every slot sees itself
         if vr:
             visible[torch.tensor(vr, device=device), torch.tensor(vq, device=device), torch.tensor(vk, device=device)] = True
         state, logits = self._forward(self.drafter.embed(tokens), hidden, pos, visible)
-        self.block += s
-        buf[ri_t, torch.tensor(nodes_ids, device=device)] = state[ri_t, ki_t]
+        self.step_slots += s
+        buf[ri_t, nodes.nodes] = state[ri_t, ki_t]
         return self.drafter.target_logits(logits[ri_t, ki_t], self.vocab)
 
-    def update(self, tree, verdict, root_pos) -> None:
+    def update(self, step: DraftStep, tree, verdict) -> None:
         """The committed slots of the next step: ``(g_{n+i}, committed token i)`` for the root and the accepted
         nodes (features from the verification forward), right-aligned so each row's new root slot is last."""
         feats = self.taps.features().to(tree.tokens.device)  # [active, nodes, F]
@@ -647,23 +630,12 @@ class Eagle3State(DrafterState):
         idx = (cols[None] - shift).clamp(min=0)
         path = verdict.path[:, :m].clamp(min=0).gather(1, idx)
         kept = feats.gather(1, path[..., None].expand(-1, -1, feats.shape[-1]))
-        new = (kept, verdict.tokens[:, :m].gather(1, idx), root_pos[:, None] + idx, cols[None] >= shift)
+        new = (kept, verdict.tokens[:, :m].gather(1, idx), step.root_pos[:, None] + idx, cols[None] >= shift)
         # a step that drafted nothing left its slots queued: both go in, the new root slot last
         self.pending = new if self.pending is None else tuple(torch.cat(p, dim=1) for p in zip(self.pending, new))
 
-    def end_step(self) -> None:
-        if self.block:
-            self.slots.cache.crop(-self.block)
-            self.block = 0
-        for d in self._slot:
-            d.clear()
-        if self.slots._holes_worth_compacting():
-            self.slots.compact()
-
     def select(self, kept) -> None:
-        self.slots.select_rows(kept)
+        super().select(kept)
         self._buf = None
-        self._slot = [self._slot[int(i)] for i in kept]
         if self.pending is not None:
             self.pending = tuple(t[kept] for t in self.pending)
-

@@ -44,10 +44,20 @@ import time
 import torch
 from transformers import PretrainedConfig
 
-from ..compat import DynamicCache, HeadPreTrainedModel, cache_kwargs, dflash_classes, set_body_attn_implementation
-from ..engine.cache import SlotCache, additive_mask
-from .base import SHIPPED_DRAFTERS, CardSaving, Drafter, DrafterState, register_drafter_kind
+from ..compat import HeadPreTrainedModel, cache_kwargs, dflash_classes, set_body_attn_implementation
+from ..engine.cache import additive_mask
+from .base import (
+    SHIPPED_DRAFTERS,
+    CardSaving,
+    Drafter,
+    DrafterState,
+    default_target_layer_ids,
+    register_drafter_kind,
+    target_facts,
+)
+from .context import DrafterContext, DraftNodes, DraftStep
 from .formats import PROJECT_KEY, DrafterFormat, hs_to_layer_ids, layer_settings, load_strict, read_tensors
+from .loading import load_drafter
 
 __all__ = ["DraftHeadConfig", "DraftHead", "HEAD_ATTENTIONS", "EMBEDDED_HEADS", "default_target_layer_ids",
            "block_layout"]
@@ -59,19 +69,6 @@ HEAD_ATTENTIONS = ("tree_causal", "block_bidirectional", "block_causal")
 
 #: shipped heads for the embedded model (``DraftHead.from_pretrained("default-jetspec")``) -> folder under assets/
 EMBEDDED_HEADS = {k: v for k, v in SHIPPED_DRAFTERS.items() if k in ("default-jetspec", "default-dflash")}
-
-
-def default_target_layer_ids(num_target_layers: int, count: int) -> list[int]:
-    """``count`` layers spread evenly over ``1 .. L - 3`` (the last layers are the LM head's business).
-
-    Small targets use every layer they have except the last one.
-    """
-    if num_target_layers <= 3:
-        return sorted({min(i, num_target_layers - 1) for i in range(min(count, num_target_layers))})
-    lo, hi = 1, num_target_layers - 3
-    if count == 1:
-        return [(lo + hi) // 2]
-    return sorted({round(lo + i * (hi - lo) / (count - 1)) for i in range(count)})
 
 
 class DraftHeadConfig(PretrainedConfig):
@@ -192,16 +189,6 @@ class DraftHeadConfig(PretrainedConfig):
         )
 
 
-def _target_facts(target) -> dict:
-    config = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
-    return dict(
-        target_hidden_size=int(config.hidden_size),
-        target_vocab_size=int(target.get_input_embeddings().weight.shape[0]),
-        target_num_hidden_layers=int(config.num_hidden_layers),
-        target_model_type=getattr(config, "model_type", None),
-    )
-
-
 def _is_dflash_family(c: dict) -> bool:
     return "speculators_model_type" not in c and ("dflash_config" in c or any(
         "DFlash" in a for a in c.get("architectures") or []))
@@ -318,8 +305,6 @@ class DraftHead(CardSaving, Drafter, HeadPreTrainedModel):
         format :func:`hf_paralleldecode.load_drafter` reads as a draft head (DFlash, JetSpec, this project's
         exports). Loading is strict: a folder of another kind, or a missing or unexpected weight, raises
         ``ValueError`` naming what was found (never a randomly initialised head)."""
-        from .loading import load_drafter
-
         if args:
             raise ValueError("DraftHead.from_pretrained takes the folder / repo id and keyword options only.")
         kwargs.pop("use_safetensors", None)
@@ -352,7 +337,7 @@ class DraftHead(CardSaving, Drafter, HeadPreTrainedModel):
         target's depth (:func:`default_target_layer_ids`); ``mask_token_id`` defaults to the last
         row of the target's input embedding.
         """
-        facts = _target_facts(target_model)
+        facts = target_facts(target_model)
         cfg = target_model.config.get_text_config() if hasattr(target_model.config, "get_text_config") \
             else target_model.config
         if target_layer_ids is None:
@@ -377,7 +362,7 @@ class DraftHead(CardSaving, Drafter, HeadPreTrainedModel):
     def check_target(self, target_model, tokenizer=None) -> None:
         """``ValueError`` naming the mismatch when ``target_model`` is not the head's target (facts the
         checkpoint does not record are checked against what the head needs: tapped layers, mask row)."""
-        facts = _target_facts(target_model)
+        facts = target_facts(target_model)
         wrong = [
             f"{key[len('target_'):].replace('_', ' ')}: head expects {getattr(self.config, key)}, target has {value}"
             for key, value in facts.items()
@@ -447,12 +432,11 @@ class DraftHead(CardSaving, Drafter, HeadPreTrainedModel):
     def describe(self) -> str:
         return f"{self.config.attention} head"
 
-    def run_settings(self, depth: int, **settings) -> dict:
+    def run_settings(self, depth: int, denoise_steps: int | None = None) -> dict:
         return {"drafter": self.kind, "head": self.config.attention}
 
-    def start(self, run, taps, vocab: int, depth: int, **settings) -> HeadState:
-        self.bind(run.model)
-        return HeadState(run, self, taps)
+    def start(self, context: DrafterContext, depth: int, denoise_steps: int | None = None) -> HeadState:
+        return HeadState(context, self)
 
     # ---- saving -----------------------------------------------------------------------------------
     def model_card(self) -> str:
@@ -515,21 +499,18 @@ class HeadState(DrafterState):
     """A draft head's side of one call: its KV cache of committed context features (per row, from the
     verification forwards' taps: never an extra target forward) plus this step's block slots."""
 
-    def __init__(self, run, head: DraftHead, taps):
+    def __init__(self, context: DrafterContext, head: DraftHead):
         super().__init__()
-        self.head, self.taps = head, taps
-        self.expansion = head.expansion
+        self.head, self.taps = head, context.taps
         self.mask_id = head.config.mask_token_id
-        device = run.rows.device
-        self.slots = SlotCache(DynamicCache(), torch.zeros(run.rows.shape[0], 0, dtype=torch.bool, device=device),
-                               head.dtype)
-        self.block = 0  # block slots appended this step
-        self._slot_of: list[dict[int, int]] = [{} for _ in range(run.rows.shape[0])]  # tree_causal: node -> slot
-        self._add_context(taps.features().to(device), run.prompt_positions, run.prompt_mask)  # the prefill
+        self.open_cache(context.prompt.shape[0], context.device, head.dtype)
+        self.new_feats = None  # context slots queued for the next head forward (see _add_context)
+        self._add_context(self.taps.features().to(context.device), context.prompt_positions,
+                          context.prompt_mask)  # the prefill
 
     def _add_context(self, feats, positions, valid):
         """Queue context slots; slots of a step that ran no head forward stay queued before them."""
-        if getattr(self, "new_feats", None) is not None and self.new_feats.shape[1]:
+        if self.new_feats is not None and self.new_feats.shape[1]:
             feats = torch.cat([self.new_feats, feats.to(self.new_feats.dtype)], dim=1)
             positions = torch.cat([self.new_pos, positions], dim=1)
             valid = torch.cat([self.new_valid, valid.bool()], dim=1)
@@ -550,49 +531,40 @@ class HeadState(DrafterState):
         self.fed_tokens += b * (s + feats.shape[1])
         self.slots.valid = ctx_valid
         self.new_feats, self.new_pos, self.new_valid = feats[:, :0], self.new_pos[:, :0], self.new_valid[:, :0]
-        assert self.slots.cache.get_seq_length() == n_ctx + feats.shape[1] + self.block + s
-        self.block += s
+        assert self.slots.cache.get_seq_length() == n_ctx + feats.shape[1] + self.step_slots + s
+        self.step_slots += s
         return hidden
 
-    def marginals(self, roots, root_pos, depth=None) -> torch.Tensor:
+    def marginals(self, step: DraftStep) -> torch.Tensor:
         """Block heads: one forward over :func:`block_layout`'s block -> ``[b, block, V]`` for depths ``1..block``."""
         c = self.head.config
+        roots = step.roots
         b = roots.shape[0]
         ids, pos, intra, query = block_layout(c.attention, c.block_size, torch.zeros(b, 1, dtype=torch.long,
                                                                                       device=roots.device),
                                               roots[:, None], c.mask_token_id)
-        hidden = self._run(ids, root_pos[:, None] + pos, intra[None].expand(b, -1, -1))
+        hidden = self._run(ids, step.root_pos[:, None] + pos, intra[None].expand(b, -1, -1))
         return self.head.logits(hidden[:, query])
 
-    def expand(self, builders, wanted, roots, root_pos) -> torch.Tensor:
-        """``tree_causal``: one wave, a (real-token slot, MASK query slot) pair per wanted node; the query sees
-        the node, its ancestors' slots (earlier waves of this step) and itself."""
-        b = len(builders)
-        device = roots.device
-        s = 2 * max(len(w) for w in wanted)
-        base = self.block
-        # host lists first, then one tensor write each (a wave holds up to tree_budget nodes)
-        ri, real, toks, depths, vr, vq, vk = [], [], [], [], [], [], []
-        for i, nodes in enumerate(wanted):
-            bld, slot_of = builders[i], self._slot_of[i]
-            for k, v in enumerate(nodes):
-                ri.append(i)
-                real.append(2 * k)
-                toks.append(bld.tokens[v])
-                depths.append(bld.depth[v])
-                for a in ([0] + bld.path(v)[:-1]) if v else []:
-                    vr += [i, i]
-                    vq += [2 * k, 2 * k + 1]
-                    vk += [slot_of[a], slot_of[a]]
-                slot_of[v] = base + 2 * k
-        ri_t, real_t = torch.tensor(ri, device=device), torch.tensor(real, device=device)
+    def expand(self, step: DraftStep, nodes: DraftNodes) -> torch.Tensor:
+        """``tree_causal``: one wave, a (real-token slot, MASK query slot) pair per node; the query sees the node,
+        its ancestors' slots (earlier waves of this step) and itself."""
+        b, device = nodes.batch, step.roots.device
+        s = 2 * nodes.width
+        base = self.step_slots
+        vr, vq, vk = [], [], []  # (row, slot, key slot) pairs that may attend: the host lists first, one write after
+        for i, k, v, parent in zip(nodes.host.rows, nodes.host.index, nodes.host.nodes, nodes.host.parents):
+            for a in self.place(i, v, parent, base + 2 * k):
+                vr += [i, i]
+                vq += [2 * k, 2 * k + 1]
+                vk += [a, a]
+        ri_t, real_t = nodes.rows, 2 * nodes.index
         query_t = real_t + 1
-        depth_t = torch.tensor(depths, device=device)
         ids = torch.full((b, s), self.mask_id, dtype=torch.long, device=device)
-        ids[ri_t, real_t] = torch.tensor(toks, device=device)
-        pos = root_pos[:, None].repeat(1, s)
-        pos[ri_t, real_t] = root_pos[ri_t] + depth_t
-        pos[ri_t, query_t] = root_pos[ri_t] + depth_t + 1
+        ids[ri_t, real_t] = nodes.tokens
+        pos = step.root_pos[:, None].repeat(1, s)
+        pos[ri_t, real_t] = nodes.positions
+        pos[ri_t, query_t] = nodes.positions + 1
         visible = torch.zeros(b, s, base + s, dtype=torch.bool, device=device)
         visible[:, torch.arange(s), base + torch.arange(s)] = True  # every slot sees itself
         visible[ri_t, query_t, base + real_t] = True  # a query sees its node
@@ -601,22 +573,12 @@ class HeadState(DrafterState):
         hidden = self._run(ids, pos, visible)
         return self.head.logits(hidden[ri_t, query_t])
 
-    def update(self, tree, verdict, root_pos) -> None:
+    def update(self, step: DraftStep, tree, verdict) -> None:
         feats = self.taps.features().to(tree.tokens.device)  # [active, nodes, F] of the verification forward
         path = verdict.path.clamp(min=0)  # [active, depth + 1]
         kept = feats.gather(1, path[..., None].expand(-1, -1, feats.shape[-1]))
-        self._add_context(kept, root_pos[:, None] + tree.depth.gather(1, path), verdict.path >= 0)
-
-    def end_step(self) -> None:
-        if self.block:
-            self.slots.cache.crop(-self.block)
-            self.block = 0
-        for slot_of in self._slot_of:
-            slot_of.clear()
-        if self.slots._holes_worth_compacting():
-            self.slots.compact()
+        self._add_context(kept, step.root_pos[:, None] + tree.depth.gather(1, path), verdict.path >= 0)
 
     def select(self, kept) -> None:
-        self.slots.select_rows(kept)
-        self._slot_of = [self._slot_of[int(i)] for i in kept]
+        super().select(kept)
         self.new_feats, self.new_pos, self.new_valid = self.new_feats[kept], self.new_pos[kept], self.new_valid[kept]

@@ -2,7 +2,8 @@
 
 :func:`load_drafter` recognises a checkpoint's format from its config (``architectures``,
 ``model_type``, ``speculators_model_type``, this project's own files) by asking each registered drafter
-kind's formats (:data:`~.base.DRAFTER_KINDS`, each kind's ``FORMATS``) in turn, and loads it strictly:
+kind's formats (:data:`~.base.DRAFTER_KINDS`, each kind's ``FORMATS``; the built-in kinds register when the
+package is imported) in turn, and loads it with the kind's ``read_checkpoint``, strictly:
 a folder that matches no known format, or weights that do not fit the format, raise ``ValueError``
 naming what was found and what is missing. Nothing is ever randomly initialised.
 
@@ -22,7 +23,6 @@ from pathlib import Path
 
 import torch
 
-from . import diffusion, eagle3, head  # noqa: F401 - each registers its kind
 from .base import DRAFTER_KINDS, Drafter, shipped_drafter_dir
 from .formats import read_config, resolve_folder
 
