@@ -39,6 +39,7 @@ What it deliberately does not know
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -55,7 +56,18 @@ from .base import (
     target_facts,
 )
 from .context import DrafterContext, DraftNodes, DraftStep
-from .formats import PROJECT_KEY, DrafterFormat, hs_to_layer_ids, layer_settings, load_strict, read_tensors
+from .formats import (
+    PROJECT_KEY,
+    DrafterFormat,
+    hs_to_layer_ids,
+    layer_config,
+    layer_settings,
+    load_strict,
+    project_facts,
+    read_tensors,
+    speculators_config,
+    write_checkpoint,
+)
 from .loading import load_drafter
 
 __all__ = ["Eagle3Config", "Eagle3Drafter", "EAGLE3_FORMATS", "ttt_step_mask", "reference_tap_layers"]
@@ -527,6 +539,15 @@ class Eagle3Drafter(CardSaving, Drafter, HeadPreTrainedModel):
                              "drafter: load it with hf_paralleldecode.load_drafter(...).")
         return drafter
 
+    # ---- exporting (formats: hf_paralleldecode.drafters.export) ------------------------------------------
+    EXPORT_FORMATS = ("speculators", "eagle3")
+
+    def export(self, directory: Path, format: str, verifier=None) -> Path:
+        """Write the drafter in ``format``: vLLM speculators' ``eagle3`` or the original EAGLE / SpecForge layout."""
+        config = _eagle3_export_config(self, format, verifier)
+        directory.mkdir(parents=True, exist_ok=True)
+        return write_checkpoint(directory, config, _eagle3_export_weights(self, format))
+
     def model_card(self) -> str:
         c = self.config
         return ("---\nlibrary_name: hf_paralleldecode\ntags:\n- speculative-decoding\n- eagle3\n"
@@ -537,6 +558,47 @@ class Eagle3Drafter(CardSaving, Drafter, HeadPreTrainedModel):
                 f"vocabulary {c.draft_vocab_size}).\n\n```python\nimport hf_paralleldecode as hfpd\n\n"
                 "target = hfpd.load_model(TARGET)\nout = target.generate(**inputs, decoding=\"speculative\", "
                 "drafter=DRAFTER)\n```\n")
+
+
+def _eagle3_export_config(drafter, format: str, verifier) -> dict:
+    c = drafter.config
+    facts = project_facts(c, default_depth=c.default_depth)
+    if format == "eagle3":
+        if c.layer_type != "llama" or c.num_hidden_layers != 1 or c.norm_before_fc or c.fc_norm or c.norm_output:
+            raise ValueError("The original EAGLE-3 layout holds one Llama-style layer with no extra norms; export this "
+                             "drafter with format='speculators'.")
+        layer = layer_config(c, drafter.dtype, "llama", ("LlamaForCausalLMEagle3",))
+        layer.update(draft_vocab_size=c.draft_vocab_size, target_hidden_size=c.target_hidden_size,
+                     norm_before_residual=c.norm_before_residual,
+                     eagle_config={"eagle_aux_hidden_state_layer_ids": drafter.tap_layers,
+                                   "use_aux_hidden_state": True}, **facts)
+        return layer
+    layer = layer_config(c, drafter.dtype, c.layer_type, ("LlamaForCausalLM" if c.layer_type == "llama"
+                                                           else "Qwen3ForCausalLM",))
+    return {
+        "architectures": ["Eagle3DraftModel"], "speculators_model_type": "eagle3", "speculators_version": "0.9.0",
+        "transformer_layer_config": layer, "draft_vocab_size": c.draft_vocab_size,
+        "target_hidden_size": c.target_hidden_size,
+        "eagle_aux_hidden_state_layer_ids": [i + 1 for i in drafter.tap_layers],
+        "norm_before_residual": c.norm_before_residual, "norm_before_fc": c.norm_before_fc, "fc_norm": c.fc_norm,
+        "norm_output": c.norm_output, "embed_requires_grad": False, "tie_word_embeddings": False,
+        "dtype": layer["dtype"],
+        "speculators_config": speculators_config("eagle3", c.default_depth, verifier, c.target_name_or_path),
+        **facts,
+    }
+
+
+def _eagle3_export_weights(drafter, format: str) -> dict[str, torch.Tensor]:
+    tensors = dict(drafter.state_dict())
+    if format == "eagle3":
+        tensors = {("midlayer." + k[len("layers.0."):]) if k.startswith("layers.0.") else k: v
+                   for k, v in tensors.items()}
+    elif "embed_tokens.weight" not in tensors:  # speculators saves the (frozen) embeddings it drafts with
+        if not drafter._target:
+            raise ValueError("A speculators EAGLE-3 export carries the token embeddings: bind the drafter to its "
+                             "target first (drafter.bind(model)).")
+        tensors["embed_tokens.weight"] = drafter._target[0].get_input_embeddings().weight
+    return tensors
 
 
 class Eagle3State(DrafterState):

@@ -1,4 +1,5 @@
-"""What other projects write: recognising a drafter checkpoint's format and reading its config and weights.
+"""What other projects write: recognising a drafter checkpoint's format, reading its config and weights, and the
+pieces every kind's exports share (the layer config other engines read, the verifier a speculators export names).
 
 Each format is a :class:`DrafterFormat`: a name, the drafter kind that reads it, a test on the
 folder's ``config.json`` (``architectures``, ``model_type``, ``speculators_model_type``, keys) and a
@@ -25,9 +26,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
 __all__ = ["DrafterFormat", "read_config", "read_tensors", "load_strict", "resolve_folder", "layer_settings",
-           "hs_to_layer_ids", "PROJECT_KEY"]
+           "hs_to_layer_ids", "PROJECT_KEY", "layer_config", "project_facts", "resolve_verifier", "speculators_config",
+           "write_checkpoint"]
 
 #: the key under which this project's exports record what other formats have no field for (the target's
 #: facts, a tree-causal head's attention): other readers ignore it, this project's reader restores it
@@ -168,3 +171,83 @@ def hs_to_layer_ids(ids, fmt_name: str, folder) -> list[int]:
         raise ValueError(f"{folder}: this {fmt_name} drafter taps hidden-state index 0 (the embeddings), which this "
                          "project cannot feed it.")
     return [i - 1 for i in ids]
+
+
+# ---- writing: what every kind's exports share ---------------------------------------------------------------
+def layer_config(c, dtype, model_type="qwen3", architectures=("DFlashDraftModel",)) -> dict:
+    """The Qwen3 / Llama style layer config other engines read, from a drafter config with the usual sizes."""
+    rope = c.rope_parameters or {"rope_type": "default", "rope_theta": c.rope_theta}
+    return {
+        "model_type": model_type, "architectures": list(architectures), "vocab_size": c.target_vocab_size,
+        "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": c.num_hidden_layers, "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim, "hidden_act": c.hidden_act,
+        "rms_norm_eps": c.rms_norm_eps, "rope_parameters": dict(rope), "rope_theta": rope.get("rope_theta", 10000.0),
+        "max_position_embeddings": c.max_position_embeddings,
+        "layer_types": ["full_attention"] * c.num_hidden_layers, "attention_bias": False,
+        "tie_word_embeddings": False, "dtype": str(dtype).replace("torch.", ""),
+    }
+
+
+def project_facts(c, **extra) -> dict:
+    """What the foreign formats have no field for, under :data:`PROJECT_KEY`."""
+    keys = ("target_hidden_size", "target_vocab_size", "target_num_hidden_layers", "target_model_type",
+            "target_name_or_path")
+    return {PROJECT_KEY: {**{k: getattr(c, k) for k in keys}, **extra}}
+
+
+def resolve_verifier(verifier, default) -> tuple[str, list[str]]:
+    """``(name_or_path, architectures)`` of the verifier a speculators export names; ``ValueError`` when it does
+    not load (speculators and vLLM read the verifier's embeddings and LM head from it)."""
+    if verifier is None:
+        verifier = default
+    if verifier is None:
+        raise ValueError("A speculators export names its verifier (speculators and vLLM load its embeddings and LM "
+                         "head): pass verifier= (the target model, its folder or its Hub repo id).")
+    if hasattr(verifier, "config"):  # the target model itself
+        name = getattr(verifier.config, "name_or_path", None) or ""
+        archs = list(getattr(verifier.config, "architectures", None) or [type(verifier).__name__])
+        if not name:
+            raise ValueError("The target model has no name_or_path: save it (model.save_pretrained(folder)) and pass "
+                             "verifier=folder.")
+        _, archs_on_disk = resolve_verifier(name, None)
+        return name, archs_on_disk or archs
+    name = str(verifier)
+    folder = Path(name)
+    if folder.is_dir():
+        config = folder / "config.json"
+        if not config.is_file():
+            raise ValueError(f"verifier={name!r} is a folder without a config.json: it does not load as a model.")
+        archs = json.loads(config.read_text()).get("architectures") or []
+        return str(folder.resolve()), list(archs)
+    try:
+        from transformers import AutoConfig
+
+        archs = AutoConfig.from_pretrained(name).architectures or []
+    except Exception as err:  # noqa: BLE001 - whatever the cause, the export would not load elsewhere
+        raise ValueError(f"verifier={name!r} is neither a local model folder nor a Hub repo that loads "
+                         f"({type(err).__name__}); speculators would fail to load the export. Pass verifier= (the "
+                         "target model, its folder or its Hub repo id).") from err
+    return name, list(archs)
+
+
+def speculators_config(algorithm: str, tokens: int, verifier, default_verifier) -> dict:
+    """``speculators_config`` of a speculators export: the proposal method and the verifier (which must load)."""
+    name, archs = resolve_verifier(verifier, default_verifier)
+    if not archs:
+        raise ValueError(f"The verifier {name!r} records no architectures (class names) in its config; speculators "
+                         "needs them.")
+    return {
+        "algorithm": algorithm, "default_proposal_method": "greedy",
+        "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": tokens, "verifier_accept_k": 1,
+                              "accept_tolerance": 0.0}],
+        "verifier": {"name_or_path": name, "architectures": archs},
+    }
+
+
+def write_checkpoint(directory: Path, config: dict, tensors: dict) -> Path:
+    """``config.json`` and ``model.safetensors`` into ``directory`` (which exists); returns it."""
+    (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, directory / "model.safetensors",
+              metadata={"format": "pt"})
+    return directory

@@ -39,9 +39,12 @@ What it deliberately does not know
 from __future__ import annotations
 
 import json
+import logging
 import time
+from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 from transformers import PretrainedConfig
 
 from ..compat import HeadPreTrainedModel, cache_kwargs, dflash_classes, set_body_attn_implementation
@@ -56,11 +59,24 @@ from .base import (
     target_facts,
 )
 from .context import DrafterContext, DraftNodes, DraftStep
-from .formats import PROJECT_KEY, DrafterFormat, hs_to_layer_ids, layer_settings, load_strict, read_tensors
+from .formats import (
+    PROJECT_KEY,
+    DrafterFormat,
+    hs_to_layer_ids,
+    layer_config,
+    layer_settings,
+    load_strict,
+    project_facts,
+    read_tensors,
+    speculators_config,
+    write_checkpoint,
+)
 from .loading import load_drafter
 
 __all__ = ["DraftHeadConfig", "DraftHead", "HEAD_ATTENTIONS", "EMBEDDED_HEADS", "default_target_layer_ids",
            "block_layout"]
+
+logger = logging.getLogger(__name__)
 
 #: ``tree_causal``: branch-conditioned (this project's JetSpec Eq. 10 head: real-token slots + MASK queries);
 #: ``block_bidirectional``: DFlash; ``block_causal``: the JetSpec authors' released heads (``causal_head``):
@@ -438,6 +454,68 @@ class DraftHead(CardSaving, Drafter, HeadPreTrainedModel):
     def start(self, context: DrafterContext, depth: int, denoise_steps: int | None = None) -> HeadState:
         return HeadState(context, self)
 
+    # ---- exporting (formats: hf_paralleldecode.drafters.export) ------------------------------------------
+    EXPORT_FORMATS = ("transformers", "speculators", "dflash")
+
+    def export(self, directory: Path, format: str, verifier=None) -> Path:
+        """Write the head in ``format``: transformers' DFlash assistant (block-bidirectional heads only), vLLM
+        speculators' ``dflash`` or the z-lab DFlash layout, from the body's one state dict (only names change)."""
+        c = self.config
+        causal = c.attention != "block_bidirectional"
+        if format == "transformers" and causal:
+            raise ValueError(
+                f"transformers' DFlash drafter attends bidirectionally inside the block and cannot express a {c.attention} "
+                "head's mask. Export it with format='speculators' or 'dflash' (a causal chain), or run it "
+                "with decoding='speculative' here."
+            )
+        if c.attention == "tree_causal":
+            logger.warning(
+                "Exporting a tree_causal head to %r: other engines run it as a causal chain of MASK slots "
+                "([anchor, MASK, MASK, ...]); depth 1 drafts as here, deeper positions lose the branch conditioning "
+                "(expect a shorter acceptance length there). It reads back here as a tree_causal head.", format)
+        directory.mkdir(parents=True, exist_ok=True)
+        dtype = self.dtype
+        facts = project_facts(c, attention=c.attention)
+        if format == "transformers":
+            body = c.assistant_config()
+            body.dtype = dtype
+            setattr(body, PROJECT_KEY, facts[PROJECT_KEY])
+            body.save_pretrained(directory)
+            save_file({k: v.detach().contiguous().cpu() for k, v in self.model.state_dict().items()},
+                      directory / "model.safetensors", metadata={"format": "pt"})
+            return directory
+        layer = layer_config(c, dtype)
+        if format == "speculators":
+            if causal:
+                layer["is_causal"] = True  # vLLM's update_dflash overwrites dflash_config: the flag lives here
+            config = {
+                "architectures": ["DFlashDraftModel"],
+                "speculators_model_type": "dflash",
+                "speculators_version": "0.9.0",
+                "transformer_layer_config": layer,
+                "draft_vocab_size": c.target_vocab_size,
+                "target_hidden_size": c.target_hidden_size,
+                "aux_hidden_state_layer_ids": [i + 1 for i in c.target_layer_ids],
+                "block_size": c.block_size + 1,
+                "mask_token_id": c.mask_token_id,
+                "sample_from_anchor": False,
+                "sliding_window_non_causal": False,
+                "tie_word_embeddings": False,
+                "dtype": layer["dtype"],
+                "speculators_config": speculators_config("dflash", c.block_size, verifier, c.target_name_or_path),
+                **facts,
+            }
+        else:  # dflash (z-lab native)
+            config = dict(layer)
+            config.update(
+                block_size=c.block_size + 1,
+                num_target_layers=c.target_num_hidden_layers,
+                dflash_config={"mask_token_id": c.mask_token_id, "target_layer_ids": list(c.target_layer_ids),
+                               "causal": causal, "causal_head": causal, "target_hidden_size": c.target_hidden_size},
+                **facts,
+            )
+        return write_checkpoint(directory, config, _engine_weights(self))
+
     # ---- saving -----------------------------------------------------------------------------------
     def model_card(self) -> str:
         c = self.config
@@ -493,6 +571,15 @@ def block_layout(kind: str, block_size: int, anchors: torch.Tensor, tokens: torc
         intra[n:, n:] = torch.eye(n, dtype=torch.bool, device=anchors.device)  # and itself
         query = torch.arange(n, S, device=anchors.device)
     return ids.reshape(B, A * S), pos.reshape(B, A * S), intra, query
+
+
+def _engine_weights(head) -> dict[str, torch.Tensor]:
+    """The body's weights under the DFlash engine names (``fc``, ``hidden_norm``, ``layers.*``, ``norm``)."""
+    out = {}
+    for name, tensor in head.model.state_dict().items():
+        name = name.replace("encoder.fc.", "fc.").replace("encoder.output_norm_enc.", "hidden_norm.")
+        out[name] = tensor.detach().contiguous().cpu()
+    return out
 
 
 class HeadState(DrafterState):
