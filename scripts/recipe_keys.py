@@ -4,8 +4,8 @@
     python scripts/recipe_keys.py --check    # exit 1 if docs/recipe-keys.md is not what this script writes now
 
 The tables are built from the classes themselves (``dataclasses.fields`` of
-``hf_paralleldecode.training.cli.ScriptArguments`` and of each method's config class named in
-``hf_paralleldecode.training.cli.METHODS``): type, default and the field's ``help`` metadata. A method's
+``hf_paralleldecode.training.cli.ScriptArguments`` and of each registered method's config class,
+``hf_paralleldecode.training.methods.TRAINING_METHODS``): type, default and the field's ``help`` metadata. A method's
 own keys are its config fields that are not ``transformers.TrainingArguments`` fields; every
 ``TrainingArguments`` field is a recipe key too. The output depends only on those classes and on the
 file names and ``method`` of ``recipes/*.yaml``, so it is deterministic; ``tests/test_recipe_keys.py``
@@ -82,8 +82,8 @@ def render() -> str:
     """The page, as a string (no side effects)."""
     from transformers import TrainingArguments
 
-    from hf_paralleldecode import training
-    from hf_paralleldecode.training.cli import METHODS, ScriptArguments
+    from hf_paralleldecode.training.cli import ScriptArguments
+    from hf_paralleldecode.training.methods import TRAINING_METHODS
 
     base = {f.name: f for f in _fields(TrainingArguments)}
     recipes = _recipes_by_method()
@@ -116,10 +116,10 @@ def render() -> str:
         "| --- | --- | --- | --- | --- |",
     ]
     for f in _fields(ScriptArguments):
-        applies, text = _methods_prefix(f.metadata.get("help", ""), METHODS)
+        applies, text = _methods_prefix(f.metadata.get("help", ""), TRAINING_METHODS)
         lines.append(f"| `{f.name}` | {applies} | {_type(f, ScriptArguments)} | {_default(f)} | {_cell(text)} |")
-    for name, (config_name, trainer_name) in METHODS.items():
-        cls = getattr(training, config_name)
+    for name, method in TRAINING_METHODS.items():
+        cls, config_name, trainer_name = method.config, method.config.__name__, method.trainer.__name__
         own = [f for f in _fields(cls) if f.name not in base]
         changed = [f for f in _fields(cls) if f.name in base and _default(f) != _default(base[f.name])]
         lines += [

@@ -42,6 +42,7 @@ from transformers import TrainingArguments
 from ..engine.cache import additive_mask
 from .draft_head import DrafterTrainer, check_distillation_settings, padded_rows_and_anchors
 from .losses import DISTILLATION_OBJECTIVES, diffusion_alignment_loss, position_weights
+from .methods import TrainingMethod, count_parameters, register_training_method
 from .trajectories import check_token_ids
 
 __all__ = ["DiffusionAlignmentConfig", "DiffusionAlignmentTrainer", "DiffusionAlignmentCollator", "STAGES"]
@@ -339,3 +340,64 @@ class DiffusionAlignmentTrainer(DrafterTrainer):
 
         drafter = self.accelerator.unwrap_model(model or self.model)
         drafter.model.load_state_dict(load_file(f"{resume_from_checkpoint}/model.safetensors"), strict=False)
+
+
+# ---- the recipe method ``deer`` (hf-paralleldecode train: training/methods.py) ----------------------------------
+@dataclass
+class DiffusionDrafterOptions:
+    """The recipe keys of a new diffusion drafter (``method: deer``)."""
+
+    drafter_attention: str = field(default="block_causal", metadata={"help": (
+        "deer: a new drafter's attention, 'block_causal' (prefix KV cache) or 'bidirectional'.")})
+    drafter_num_hidden_layers: int = field(default=2, metadata={"help": "deer: layers of a new drafter."})
+    drafter_block_size: int = field(default=16, metadata={"help": "deer: masked positions a new drafter drafts."})
+    drafter_shifted: bool = field(default=False, metadata={"help": "deer: position i predicts token i+1 (Dream)."})
+    drafter_boundary_token: bool = field(default=False, metadata={"help": (
+        "deer: a new [SEP] row placed between the prefix and the masks (DEER stage I).")})
+    drafter_init_from_target: bool = field(default=False, metadata={"help": (
+        "deer: copy the target's first layers, embeddings and LM head into the new drafter (block_causal).")})
+    init_drafter: str | None = field(default=None, metadata={"help": (
+        "deer: start from this saved DiffusionDrafter (e.g. stage 1's output for stage 2, or a converted dLLM).")})
+
+
+def _new_drafter(model, script, tokenizer=None):
+    from ..drafters.diffusion import DiffusionDrafter
+
+    return DiffusionDrafter.for_target(
+        model, num_hidden_layers=script.drafter_num_hidden_layers, block_size=script.drafter_block_size,
+        attention=script.drafter_attention, shifted=script.drafter_shifted,
+        boundary_token=script.drafter_boundary_token, init_from_target=script.drafter_init_from_target,
+        tokenizer=tokenizer)
+
+
+def _build(model, tokenizer, script, args):
+    from ..drafters.diffusion import DiffusionDrafter
+    from .regenerate import load_regenerated
+
+    dataset = load_regenerated(script.trajectories, tokenizer=tokenizer)
+    drafter = DiffusionDrafter.from_pretrained(script.init_drafter) if script.init_drafter else \
+        _new_drafter(model, script, tokenizer)
+    drafter.check_target(model, tokenizer=tokenizer)
+    target = model if args.objective != "sft" else None  # cross-entropy needs no teacher forward
+    return DiffusionAlignmentTrainer(model=drafter.train(), args=args, target_model=target, train_dataset=dataset)
+
+
+def _dry_run(target, script, args):
+    from pathlib import Path
+
+    if script.init_drafter:  # a saved drafter (often the previous stage's output, not there yet)
+        trainable, spec = None, dict(init_drafter=script.init_drafter,
+                                     exists=Path(script.init_drafter, "diffusion_drafter.json").is_file())
+    else:
+        with torch.device("meta"):  # sizes only: no memory for a large vocabulary
+            drafter = _new_drafter(target, script)
+        trainable = count_parameters(drafter)
+        spec = dict(drafter.config.to_dict(), num_hidden_layers=script.drafter_num_hidden_layers,
+                    init_from_target=script.drafter_init_from_target, parameters=trainable)
+    return dict(trains="the diffusion drafter only (the target is never updated or saved)", drafter=spec,
+                stage=args.stage, objective=args.objective, max_anchors=args.max_anchors,
+                span_lengths=args.span_lengths), trainable
+
+
+register_training_method(TrainingMethod("deer", DiffusionAlignmentConfig, DiffusionAlignmentTrainer, _build, _dry_run,
+                                        DiffusionDrafterOptions))

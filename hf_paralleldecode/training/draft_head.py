@@ -34,10 +34,11 @@ import torch
 from transformers import Trainer, TrainingArguments
 
 from ..compat import TrainerHooks
-from ..drafters.head import block_layout
+from ..drafters.head import DraftHead, block_layout
 from ..engine.cache import additive_mask
 from ..engine.target import HiddenStateTaps
 from .losses import DISTILLATION_OBJECTIVES, draft_distillation_loss, position_weights
+from .methods import TrainingMethod, count_parameters, register_training_method
 from .trajectories import check_token_ids
 
 __all__ = ["DraftHeadDistillationConfig", "DraftHeadDistillationTrainer", "DraftHeadCollator", "block_layout"]  # noqa: F822
@@ -313,3 +314,52 @@ class DraftHeadDistillationTrainer(DrafterTrainer):
             return loss
         with torch.no_grad():  # the counted positions' draft logits, in (row, anchor, depth) order
             return loss, {"student": head.logits(hidden), "draft_agreement": agree.detach()}
+
+
+# ---- the recipe method ``draft_head`` (hf-paralleldecode train: training/methods.py) ---------------------------
+@dataclass
+class DraftHeadOptions:
+    """The recipe keys of a new draft head (``method: draft_head``)."""
+
+    head_attention: str = field(default="tree_causal", metadata={"help": "draft_head: 'tree_causal' or 'block_bidirectional'."})
+    head_num_hidden_layers: int = field(default=1, metadata={"help": "draft_head: layers of the new head."})
+    head_block_size: int = field(default=16, metadata={"help": "draft_head: drafted positions per block."})
+    head_target_layer_ids: list[int] | None = field(default=None, metadata={"help": (
+        "draft_head: target layers to tap (default: spread through the depth).")})
+    head_mask_token_id: int | None = field(default=None, metadata={"help": (
+        "draft_head: the MASK token id of a new head (default: the last row of the target's embedding).")})
+    init_head: str | None = field(default=None, metadata={"help": "draft_head: start from this saved head instead."})
+
+
+def _new_head(model, script, args) -> DraftHead:
+    mask = {} if script.head_mask_token_id is None else {"mask_token_id": script.head_mask_token_id}
+    return DraftHead.for_target(model, attention=script.head_attention, num_hidden_layers=script.head_num_hidden_layers,
+                                block_size=script.head_block_size, target_layer_ids=script.head_target_layer_ids,
+                                target_name_or_path=args.base_model_name_or_path, **mask)
+
+
+def _build(model, tokenizer, script, args):
+    from .regenerate import load_regenerated
+
+    dataset = load_regenerated(script.trajectories, tokenizer=tokenizer)
+    if script.init_head:
+        head = DraftHead.from_pretrained(script.init_head, use_safetensors=True)
+    else:
+        head = _new_head(model, script, args)
+    return DraftHeadDistillationTrainer(model=head.train(), args=args, target_model=model, train_dataset=dataset)
+
+
+def _dry_run(target, script, args):
+    head = _new_head(target, script, args)
+    trainable = count_parameters(head)
+    c = head.config
+    return dict(trains="the draft head only (the target is frozen and never saved)",
+                head=dict(attention=c.attention, num_hidden_layers=c.num_hidden_layers, block_size=c.block_size,
+                          target_layer_ids=list(c.target_layer_ids), mask_token_id=c.mask_token_id,
+                          parameters=trainable),
+                objective=args.objective, kd_temperature=args.kd_temperature, gamma=args.gamma,
+                max_anchors=args.max_anchors), trainable
+
+
+register_training_method(TrainingMethod("draft_head", DraftHeadDistillationConfig, DraftHeadDistillationTrainer,
+                                        _build, _dry_run, DraftHeadOptions))

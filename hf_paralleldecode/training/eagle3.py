@@ -24,9 +24,10 @@ import torch
 from transformers import TrainingArguments
 
 from ..compat import DynamicCache
-from ..drafters.eagle3 import ttt_step_mask
+from ..drafters.eagle3 import Eagle3Drafter, ttt_step_mask
 from .draft_head import DrafterTrainer, check_distillation_settings
 from .losses import DISTILLATION_OBJECTIVES, draft_distillation_loss
+from .methods import TrainingMethod, count_parameters, register_training_method
 
 __all__ = ["Eagle3DistillationConfig", "Eagle3DistillationTrainer", "Eagle3Collator"]
 
@@ -173,3 +174,54 @@ class Eagle3DistillationTrainer(DrafterTrainer):
         self._metrics["draft_agreement"].append(float(agree / total))
         loss = self._across_processes(loss, num_items_in_batch)
         return (loss, {"draft_agreement": agree.detach()}) if return_outputs else loss
+
+
+# ---- the recipe method ``eagle3`` (hf-paralleldecode train: training/methods.py) --------------------------------
+@dataclass
+class Eagle3Options:
+    """The recipe keys of a new EAGLE-3 drafter (``method: eagle3``)."""
+
+    eagle3_num_hidden_layers: int = field(default=1, metadata={"help": "eagle3: decoder layers of a new drafter."})
+    eagle3_target_layer_ids: list[int] | None = field(default=None, metadata={"help": (
+        "eagle3: target layers to fuse (default: EAGLE's low / middle / high layers).")})
+    draft_vocab_size: int | None = field(default=None, metadata={"help": (
+        "eagle3: a reduced draft vocabulary of the most frequent tokens in the data (default: the full vocabulary).")})
+    init_eagle3: str | None = field(default=None, metadata={"help": "eagle3: start from this saved drafter instead."})
+
+
+def _new_eagle3(model, script, args, dataset=None) -> Eagle3Drafter:
+    drafter = Eagle3Drafter.for_target(model, num_hidden_layers=script.eagle3_num_hidden_layers,
+                                       target_layer_ids=script.eagle3_target_layer_ids,
+                                       draft_vocab_size=script.draft_vocab_size,
+                                       target_name_or_path=args.base_model_name_or_path)
+    if script.draft_vocab_size and dataset is not None:  # EAGLE's choice: the most frequent tokens of the data
+        counts = torch.zeros(drafter.config.target_vocab_size, dtype=torch.long)
+        for row in dataset:
+            counts += torch.bincount(torch.tensor(list(row["input_ids"])), minlength=counts.numel())
+        drafter.set_draft_vocab(counts.topk(script.draft_vocab_size).indices)
+    return drafter
+
+
+def _build(model, tokenizer, script, args):
+    from ..drafters.loading import load_drafter
+    from .regenerate import load_regenerated
+
+    dataset = load_regenerated(script.trajectories, tokenizer=tokenizer)
+    drafter = load_drafter(script.init_eagle3, cache=False) if script.init_eagle3 else \
+        _new_eagle3(model, script, args, dataset)
+    return Eagle3DistillationTrainer(model=drafter.train(), args=args, target_model=model, train_dataset=dataset)
+
+
+def _dry_run(target, script, args):
+    with torch.device("meta"):
+        drafter = _new_eagle3(target, script, args)
+    trainable = count_parameters(drafter)
+    c = drafter.config
+    return dict(trains="the EAGLE-3 drafter only (the target is frozen and never saved)",
+                drafter=dict(num_hidden_layers=c.num_hidden_layers, target_layer_ids=list(c.target_layer_ids),
+                             draft_vocab_size=c.draft_vocab_size, parameters=trainable),
+                ttt_steps=args.ttt_steps, objective=args.objective), trainable
+
+
+register_training_method(TrainingMethod("eagle3", Eagle3DistillationConfig, Eagle3DistillationTrainer, _build, _dry_run,
+                                        Eagle3Options))

@@ -31,6 +31,7 @@ from ..compat import TrainerHooks
 from ..config import ParallelDecodingConfig
 from .collators import ConsistencyCollator, ProgressiveCollator
 from .losses import DISTANCES, ar_loss, consistency_loss, progressive_consistency_loss
+from .methods import TrainingMethod, count_parameters, register_training_method
 from .packing import MASKS, SCHEDULES
 
 __all__ = ["ConsistencyConfig", "ConsistencyTrainer", "ProgressiveConsistencyConfig", "ProgressiveConsistencyTrainer"]
@@ -385,3 +386,26 @@ class ProgressiveConsistencyTrainer(_ParallelDecodingTrainer):
         terms = {"pc_loss": loss_pc, "ar_loss": loss_ar}
         loss = self._combine(inputs, terms, num_items_in_batch)
         return (loss, terms) if return_outputs else loss
+
+
+# ---- the recipe methods (hf-paralleldecode train: training/methods.py) -------------------------------------------
+def _whole_model_method(name: str, config: type, trainer: type) -> TrainingMethod:
+    """A method that trains the whole model on collected trajectories (``hf-paralleldecode collect``)."""
+
+    def build(model, tokenizer, script, args):
+        from .trajectories import load_trajectories
+
+        dataset = load_trajectories(script.trajectories, drop_degenerate=script.drop_degenerate, tokenizer=tokenizer)
+        if len(dataset) == 0:
+            raise ValueError(f"No usable trajectories in {script.trajectories}.")
+        return trainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
+
+    def dry_run(target, script, args):
+        return dict(trains="the whole model", block_size=getattr(args, "block_size", None)), count_parameters(target)
+
+    return TrainingMethod(name, config, trainer, build, dry_run)
+
+
+register_training_method(_whole_model_method("cllm", ConsistencyConfig, ConsistencyTrainer))
+register_training_method(_whole_model_method("jacobi_forcing", ProgressiveConsistencyConfig,
+                                             ProgressiveConsistencyTrainer))
