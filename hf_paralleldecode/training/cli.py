@@ -28,7 +28,8 @@ from .methods import TRAINING_METHODS, count_parameters
 
 __all__ = ["ScriptArguments", "train_main", "METHODS"]
 
-#: method name -> (config class name, trainer class name), read off the registry (:mod:`.methods`)
+#: method name -> (config class name, trainer class name) of the methods registered when this module loaded (the CLI
+#: itself reads :data:`~.methods.TRAINING_METHODS` at each call, so a method registered later is served too)
 METHODS = {name: (m.config.__name__, m.trainer.__name__) for name, m in TRAINING_METHODS.items()}
 
 
@@ -38,7 +39,7 @@ def _script_arguments() -> type:
 
     @dataclass
     class _Recipe:
-        method: str = field(metadata={"help": f"Training method, one of {sorted(METHODS)}."})
+        method: str = field(metadata={"help": f"Training method, one of {sorted(TRAINING_METHODS)}."})
         model_name_or_path: str = field(metadata={"help": (
             "Base model: 'default' (embedded demo model), a path or Hub id.")})
         trajectories: str = field(metadata={"help": (
@@ -59,6 +60,7 @@ def _script_arguments() -> type:
     return cls
 
 
+#: the script keys of the methods registered when this module loaded (see :data:`METHODS`)
 ScriptArguments = _script_arguments()
 
 
@@ -84,7 +86,7 @@ def _check_keys(recipe: dict, overrides: list[str], config_cls) -> None:
     """Unknown recipe keys or ``--flags`` name the closest valid key (no prefix matching, no silent drop)."""
     from ..registry import unknown_settings_hint
 
-    valid = _field_names(ScriptArguments, config_cls)
+    valid = _field_names(_script_arguments(), config_cls)
     given = [(k, "recipe key") for k in recipe]
     given += [(a[2:].split("=", 1)[0].replace("-", "_"), "flag") for a in overrides if a.startswith("--")]
     for key, what in given:
@@ -111,12 +113,13 @@ def train_help(argv: list[str]) -> str:
         method = (yaml.safe_load(path.read_text()) or {}).get("method") if path.is_file() else None
     usage = ("usage: hf-paralleldecode train --config RECIPE.yaml [--dry-run] [--key value ...]\n\n"
              "A recipe is a YAML mapping of the fields below; --key value overrides a field.\n")
+    script_arguments = _script_arguments()
     if method in TRAINING_METHODS:
-        parser = HfArgumentParser((ScriptArguments, TRAINING_METHODS[method].config),
+        parser = HfArgumentParser((script_arguments, TRAINING_METHODS[method].config),
                                   prog=f"hf-paralleldecode train  (method: {method})")
         return usage + parser.format_help()
     lines = [usage, "Script fields (every method):"]
-    for f in dataclasses.fields(ScriptArguments):
+    for f in dataclasses.fields(script_arguments):
         lines.append(f"  {f.name:<26} {f.metadata.get('help', '')}")
     base = _field_names(TrainingArguments)
     for name, m in TRAINING_METHODS.items():
@@ -177,7 +180,7 @@ def train_main(argv: list[str]) -> int:
     if method not in TRAINING_METHODS:
         raise ValueError(f"Recipe `method` must be one of {sorted(TRAINING_METHODS)}, got {method!r}.")
     config_cls = TRAINING_METHODS[method].config
-    parser = HfArgumentParser((ScriptArguments, config_cls), allow_abbrev=False)
+    parser = HfArgumentParser((_script_arguments(), config_cls), allow_abbrev=False)
     extra = list(argv[2:])
     _check_keys(recipe, extra, config_cls)
     if dry_run:
