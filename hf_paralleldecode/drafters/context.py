@@ -72,6 +72,7 @@ class DraftStep:
 
     @classmethod
     def from_run(cls, run, roots: torch.Tensor, depth: int) -> DraftStep:
+        """The step a decode run is about to propose from ``roots`` (what the speculative proposer calls)."""
         log = run.log
         return cls(rows=run.rows, roots=roots, root_pos=run.next_positions(), depth=depth,
                    read_committed=lambda: (log.tokens, log.count))
