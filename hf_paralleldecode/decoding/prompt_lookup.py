@@ -106,6 +106,23 @@ class NgramIndex:
                         return out
         return out
 
+    def chain(self, num_tokens: int, max_matches: int) -> list[int]:
+        """One continuation for a drafter that proposes chains (a serving engine's): the path of the trie of
+        :meth:`candidates` that most of them share, depth by depth (a tie goes to the better-ranked candidate)."""
+        alive = self.candidates(num_tokens, max_matches)
+        out: list[int] = []
+        for d in range(num_tokens):
+            votes: dict[int, list[int]] = {}  # token -> [candidates agreeing, -rank of the best of them]
+            for rank, cand in enumerate(alive):
+                if len(cand) > d:
+                    votes.setdefault(cand[d], [0, -rank])[0] += 1
+            if not votes:
+                break
+            token = max(votes, key=lambda t: votes[t])
+            out.append(token)
+            alive = [c for c in alive if len(c) > d and c[d] == token]
+        return out
+
 
 class ContextNgrams:
     """The context n-gram source any proposer can add to its tree: per active row, continuations of the
