@@ -184,6 +184,14 @@ def test_the_tuning_is_one_frozen_documented_and_checked_object():
             PolicyTuning(**bad)
 
 
+def test_the_batch_policy_page_lists_every_tuning_field_with_its_default():
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parent.parent / "docs" / "batch-policy.md").read_text()
+    rows = {f.name: f"| `{f.name}` | {f.default} |" for f in fields(PolicyTuning)}
+    assert not [row for row in rows.values() if row not in page]
+
+
 def _drive(tuning, rows=8, seconds=(0.028, 0.010), steps=60):
     """Run a chain of 4 (each row accepts 2 of its tokens) or a plain step, each taking ``seconds`` on a fake clock:
     the tree commits 3 tokens per row in 2.8 plain steps' time, 7% more per second than the plain step."""
