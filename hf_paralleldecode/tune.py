@@ -57,7 +57,7 @@ def tune(model, tokenizer, prompts: list[str], decoding: str, grid: dict[str, li
     """Measure the roofline curve and the grid, pick the fastest exact setting; return (and write) the report."""
     from .bench import grid_strategies, plot_sweep, run_benchmark
     from .config import ParallelDecodingConfig
-    from .decoding.budget import forward_cost
+    from .decoding.policy import forward_cost
 
     if not grid:
         raise ValueError("tune needs a grid of at least one setting, e.g. block_size=4,8,16.")

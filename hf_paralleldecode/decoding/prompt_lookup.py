@@ -24,8 +24,7 @@ import torch
 from ..engine.run import Proposer, check_bool_setting, check_int_setting, checks_settings, decode
 from ..engine.tree import PackedTree, pack_trees, root_tree
 from ..hardware import preset_settings
-from .budget import CostAwareBudget
-from .policy import batch_policy, check_policy_settings, shapes_from
+from .policy import CostAwareBudget, batch_policy, check_policy_settings, shapes_from
 
 __all__ = ["prompt_lookup", "context_candidates", "NgramIndex", "ContextNgrams", "ComposedTreeProposer", "check_context_settings",
            "GUESSES", "POOL", "CONTEXT"]

@@ -54,8 +54,7 @@ from ..engine.run import Proposer, check_int_setting, checks_settings, decode
 from ..engine.target import HiddenStateTaps
 from ..engine.tree import PackedTree, root_tree, tree_from_parents
 from ..hardware import preset_settings
-from .budget import CostAwareBudget
-from .policy import batch_policy, check_policy_settings, shapes_from, target_key
+from .policy import CostAwareBudget, batch_policy, check_policy_settings, shapes_from, target_key
 from .prompt_lookup import CONTEXT, GUESSES, ContextNgrams, check_context_settings
 
 __all__ = ["speculative"]
