@@ -1,7 +1,8 @@
 """Decoding strategies (``custom_generate`` callables) and the batch policy they share.
 
 Strategies, one module each: ``jacobi``, ``jacobi_forcing``, ``lookahead``, ``prompt_lookup``, ``speculative``
-(registered by name in :mod:`hf_paralleldecode.registry`; importable from the top-level package). They are built
+(registered by name in :mod:`hf_paralleldecode.registry`; importable from the top-level package), each with its
+settings class (``JacobiSettings``, ...) and its entry point built by :func:`~hf_paralleldecode.decoding_strategy`. They are built
 on :mod:`hf_paralleldecode.engine` (the decode loop, cache, target, trees, verification, emission) and, for
 ``speculative``, on :mod:`hf_paralleldecode.drafters`.
 
