@@ -17,11 +17,19 @@ _LAZY = {
     "register_decoding": "registry",
     "get_decoding": "registry",
     "available_decodings": "registry",
-    "jacobi": "decoding.jacobi",
-    "jacobi_forcing": "decoding.jacobi_forcing",
-    "lookahead": "decoding.lookahead",
-    "prompt_lookup": "decoding.prompt_lookup",
-    "speculative": "decoding.speculative",
+    # the built-in strategies through the registry, which registers them all (the engine's checks read the table)
+    "jacobi": "registry",
+    "jacobi_forcing": "registry",
+    "lookahead": "registry",
+    "prompt_lookup": "registry",
+    "speculative": "registry",
+    "JacobiSettings": "decoding.jacobi",
+    "JacobiForcingSettings": "decoding.jacobi_forcing",
+    "LookaheadSettings": "decoding.lookahead",
+    "PromptLookupSettings": "decoding.prompt_lookup",
+    "SpeculativeSettings": "decoding.speculative",
+    "StrategySettings": "engine.settings",
+    "decoding_strategy": "engine.settings",
     "DraftHead": "drafters.head",
     "DraftHeadConfig": "drafters.head",
     "DiffusionDrafter": "drafters.diffusion",
@@ -52,14 +60,21 @@ __all__ = [
     "DraftStats",
     "Eagle3Config",
     "Eagle3Drafter",
+    "JacobiForcingSettings",
+    "JacobiSettings",
+    "LookaheadSettings",
     "ParallelDecodingConfig",
     "ParallelDecodingMixin",
     "ParallelDecodingOutput",
+    "PromptLookupSettings",
+    "SpeculativeSettings",
+    "StrategySettings",
     "TWIN_SHAPES",
     "TwinShape",
     "__version__",
     "available_decodings",
     "cost_twin",
+    "decoding_strategy",
     "default_model_path",
     "enable",
     "export_draft_head",
@@ -80,20 +95,6 @@ __all__ = [
 ]
 
 
-def _register_builtin_strategies(registry) -> None:
-    from .decoding.jacobi import jacobi
-    from .decoding.jacobi_forcing import jacobi_forcing
-    from .decoding.lookahead import lookahead
-    from .decoding.prompt_lookup import prompt_lookup
-    from .decoding.speculative import speculative
-
-    registry.register_decoding("jacobi", jacobi, overwrite=True)
-    registry.register_decoding("prompt_lookup", prompt_lookup, overwrite=True)
-    registry.register_decoding("speculative", speculative, overwrite=True)
-    registry.register_decoding("jacobi_forcing", jacobi_forcing, overwrite=True)
-    registry.register_decoding("lookahead", lookahead, overwrite=True)
-
-
 def __getattr__(name: str):
     if name not in _LAZY:
         raise AttributeError(f"module 'hf_paralleldecode' has no attribute {name!r}")
@@ -109,11 +110,11 @@ def __dir__():
 
 if TYPE_CHECKING:  # pragma: no cover
     from .config import ParallelDecodingConfig
-    from .decoding.jacobi import jacobi
-    from .decoding.jacobi_forcing import jacobi_forcing
-    from .decoding.lookahead import lookahead
-    from .decoding.prompt_lookup import prompt_lookup
-    from .decoding.speculative import speculative
+    from .decoding.jacobi import JacobiSettings, jacobi
+    from .decoding.jacobi_forcing import JacobiForcingSettings, jacobi_forcing
+    from .decoding.lookahead import LookaheadSettings, lookahead
+    from .decoding.prompt_lookup import PromptLookupSettings, prompt_lookup
+    from .decoding.speculative import SpeculativeSettings, speculative
     from .drafters.base import DraftStats
     from .drafters.diffusion import DiffusionDrafter, DiffusionDrafterConfig
     from .drafters.eagle3 import Eagle3Config, Eagle3Drafter
@@ -121,6 +122,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .drafters.head import DraftHead, DraftHeadConfig
     from .drafters.loading import load_drafter
     from .engine.run import ParallelDecodingOutput
+    from .engine.settings import StrategySettings, decoding_strategy
     from .hardware import hardware_preset
     from .integration import ParallelDecodingMixin, enable, is_enabled
     from .loading import default_model_path, load_default_model, load_model, load_tokenizer

@@ -29,7 +29,6 @@ What it deliberately does not do
 
 from __future__ import annotations
 
-import inspect
 import json
 import logging
 import statistics
@@ -131,10 +130,10 @@ def parse_strategy(text: str) -> StrategySpec:
             raise ValueError(f"Bad strategy setting {item!r} in {text!r}: write key=value.")
         settings[key.strip()] = _parse_value(value.strip())
     if name not in STOCK_PEERS:  # a peer's settings are transformers' generate arguments
-        from .registry import decoding_settings, unknown_settings_hint
+        from .registry import settings_class, unknown_settings_hint
 
-        known = decoding_settings(name)
-        unknown = [k for k in settings if k not in known]
+        known = sorted(settings_class(name).names())
+        unknown = settings_class(name).unknown(settings)
         if unknown:
             raise ValueError(f"Unknown setting(s) {unknown} of strategy {name!r} in {text!r}"
                              f"{unknown_settings_hint(unknown, known)}. Its settings: {', '.join(known)}.")
@@ -316,10 +315,10 @@ def _one_run(model, enc, spec: StrategySpec | None, max_new_tokens: int, timer: 
         ours = kwargs["decoding"] != STOCK
         out = model.generate(**enc, **kwargs, **({"return_dict_in_generate": True} if ours else {}))
         if ours:  # the settings the strategy resolved (device presets, defaults), as its stats report them
-            from .registry import get_decoding
+            from .registry import settings_class
 
-            params = inspect.signature(get_decoding(kwargs["decoding"])).parameters
-            resolved = {k: v for k, v in out.stats.items() if k in params and isinstance(v, (bool, int, float, str))}
+            names = settings_class(kwargs["decoding"]).names()
+            resolved = {k: v for k, v in out.stats.items() if k in names and isinstance(v, (bool, int, float, str))}
             drafted = out.draft_stats  # learned drafters: summed over the prompts by run_benchmark
             stats, out = out.stats, out.sequences
             if drafted is not None:

@@ -5,6 +5,11 @@ of peft's adapter configs: sorted-key JSON stamped with the library version; key
 newer version that this one does not know are dropped with a warning; ``push_to_hub`` uploads the
 file alone. :func:`hf_paralleldecode.load_model` attaches it to the model so that
 ``model.generate()`` defaults to the stored decoding and settings.
+
+The settings are those of the strategy's settings class (``JacobiSettings``, ...), which checks them when the config
+is built or loaded; the file records that class (``settings_class``) and
+:attr:`ParallelDecodingConfig.strategy_settings` gives them back typed. A file without that key (written before it
+was recorded) loads the same way.
 """
 
 from __future__ import annotations
@@ -18,20 +23,40 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .engine.settings import StrategySettings
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["ParallelDecodingConfig", "CONFIG_NAME"]
 
 CONFIG_NAME = "parallel_decoding_config.json"
+#: the key of the saved file naming the settings class the settings are of (``module.QualName``)
+SETTINGS_CLASS = "settings_class"
+
+
+def _class_path(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _whose(cls: type) -> str:
+    """`` (the settings of decoding='x')`` for a registered strategy's settings class; else ``""``."""
+    from .registry import _REGISTRY, settings_class
+
+    names = [name for name, strategy in _REGISTRY.items() if settings_class(strategy) is cls]
+    return f" (the settings of decoding={names[0]!r})" if names else ""
 
 
 @dataclass
 class ParallelDecodingConfig:
-    """Decoding name plus its settings, e.g. ``ParallelDecodingConfig("jacobi", {"block_size": 16})``.
+    """Decoding name plus its settings, e.g. ``ParallelDecodingConfig("jacobi", {"block_size": 16})`` or
+    ``ParallelDecodingConfig("jacobi", JacobiSettings(block_size=16))``.
 
     Args:
         decoding: a registered strategy name (see ``hf_paralleldecode.available_decodings()``).
-        settings: keyword settings of that strategy (checked against its signature).
+        settings: settings of that strategy: an instance of its settings class (``JacobiSettings``, ...; kept as the
+            settings that differ from their defaults) or a dict of them. Checked by that class at construction: an
+            unknown name is refused naming the known ones, a bad value naming the fix.
+            :attr:`strategy_settings` gives them back typed.
         base_model_name_or_path: optional provenance, written into model cards.
         drafter: where the draft head of ``decoding="speculative"`` lives: a folder relative to the
             checkpoint (a bundle, e.g. ``"drafter"``), a local path or a Hub repo id. The loader
@@ -40,36 +65,48 @@ class ParallelDecodingConfig:
     """
 
     decoding: str = "jacobi"
-    settings: dict[str, Any] = field(default_factory=dict)
+    settings: dict[str, Any] | StrategySettings = field(default_factory=dict)
     base_model_name_or_path: str | None = None
     drafter: str | None = None
     library_version: str | None = None
 
     def __post_init__(self):
-        from .registry import decoding_settings, get_decoding, unknown_settings_hint
+        from .registry import get_decoding, settings_class
 
-        strategy = get_decoding(self.decoding)  # ValueError listing the available ones
+        cls = settings_class(get_decoding(self.decoding))  # ValueError listing the available ones
+        if isinstance(self.settings, StrategySettings):
+            if type(self.settings) is not cls:
+                raise ValueError(f"decoding {self.decoding!r} takes {cls.__name__}, got {type(self.settings).__name__}"
+                                 f"{_whose(type(self.settings))}.")
+            self.settings = self.settings.to_dict(changed_only=True)
         if not isinstance(self.settings, dict):
-            raise ValueError(f"`settings` must be a dict, got {type(self.settings).__name__}.")
-        known = decoding_settings(self.decoding)
-        unknown = sorted(k for k in self.settings if k not in known)
-        if unknown:
-            raise ValueError(f"Unknown settings {unknown} for decoding {self.decoding!r}"
-                             f"{unknown_settings_hint(unknown, known)}; its settings: {', '.join(known)}.")
-        check = getattr(strategy, "check_settings", None)
-        if check is not None:  # values, not only names: refused here rather than at the first generate()
-            check(self.settings)
+            raise ValueError(f"`settings` must be a dict or a {cls.__name__}, got {type(self.settings).__name__}.")
+        cls.from_dict(self.settings, decoding=self.decoding)  # names and values, refused here rather than at generate()
         if "drafter" in self.settings:
             raise ValueError("Name the draft head with `drafter=` (a folder, path or repo id), not inside `settings`.")
         if self.drafter is not None and not isinstance(self.drafter, str):
             raise ValueError(f"`drafter` must be a folder, path or repo id (str), got {type(self.drafter).__name__}.")
+
+    @property
+    def strategy_settings(self) -> StrategySettings:
+        """The settings as an instance of the decoding's settings class (the others at their defaults), checked."""
+        from .registry import settings_class
+
+        return settings_class(self.decoding).from_dict(self.settings, decoding=self.decoding)
 
     def generate_kwargs(self) -> dict[str, Any]:
         """``{"decoding": name, **settings}``: what ``generate`` uses by default."""
         return {"decoding": self.decoding, **self.settings}
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The fields, and the settings class the settings are of (``settings_class``, when the decoding is
+        registered)."""
+        from .registry import _REGISTRY, settings_class
+
+        data = dataclasses.asdict(self)
+        if self.decoding in _REGISTRY:
+            data[SETTINGS_CLASS] = _class_path(settings_class(self.decoding))
+        return data
 
     def to_json_string(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
@@ -80,17 +117,18 @@ class ParallelDecodingConfig:
 
         Unknown top-level keys and unknown settings are dropped with a warning; an unknown decoding
         name is kept with a warning (``generate`` then raises, listing the available ones, unless
-        the call passes ``decoding=``).
+        the call passes ``decoding=``). The settings a registered decoding knows are checked by its settings class
+        (a bad value is refused here). Files written before the settings class was recorded load the same way.
         """
-        from .registry import _REGISTRY, decoding_settings
+        from .registry import _REGISTRY, settings_class
 
         version = data.get("library_version")
-        known = {f.name for f in dataclasses.fields(cls)}
+        known = {f.name for f in dataclasses.fields(cls)} | {SETTINGS_CLASS}
         unknown = sorted(k for k in data if k not in known)
         if unknown:
             logger.warning("Ignoring keys %s of a parallel decoding config written by hf_paralleldecode %s.",
                            unknown, version)
-        fields = {k: v for k, v in data.items() if k in known}
+        fields = {k: v for k, v in data.items() if k in known and k != SETTINGS_CLASS}
         decoding, settings = fields.get("decoding", "jacobi"), fields.get("settings") or {}
         if not isinstance(settings, dict):
             raise ValueError(f"`settings` must be a JSON object, got {type(settings).__name__}.")
@@ -98,11 +136,17 @@ class ParallelDecodingConfig:
             logger.warning("Decoding %r (from hf_paralleldecode %s) is not available in this version.",
                            decoding, version)
         else:
-            params = decoding_settings(decoding)
-            dropped = sorted(k for k in settings if k not in params)
+            typed = settings_class(decoding)
+            recorded = data.get(SETTINGS_CLASS)
+            if recorded is not None and recorded != _class_path(typed):
+                logger.warning("The settings were written as %s; decoding %r reads them as %s.", recorded, decoding,
+                               _class_path(typed))
+            dropped = typed.unknown(sorted(settings))
             if dropped:
-                logger.warning("Ignoring settings %s of decoding %r unknown to this version.", dropped, decoding)
-            fields["settings"] = {k: v for k, v in settings.items() if k in params}
+                logger.warning("Ignoring settings %s of decoding %r unknown to this version (its settings: %s).",
+                               dropped, decoding, ", ".join(sorted(typed.names())))
+            fields["settings"] = {k: v for k, v in settings.items() if k not in dropped}
+            typed.from_dict(fields["settings"], decoding=decoding)  # the values, checked as the class checks them
         config = object.__new__(cls)  # no strict __post_init__ checks: the data came from a file
         for f in dataclasses.fields(cls):
             default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default

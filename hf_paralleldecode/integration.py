@@ -30,13 +30,13 @@ Streamer
 
 from __future__ import annotations
 
-import inspect
 import logging
 
 import torch
 
+from .engine.settings import takes_streamer
 from .engine.support import call_conflict
-from .registry import get_decoding
+from .registry import get_decoding, settings_class
 
 __all__ = ["enable", "ParallelDecodingMixin", "is_enabled", "STOCK", "attach_drafter", "attached_drafter",
            "BUNDLE_DRAFTER_DIR"]
@@ -97,15 +97,15 @@ class ParallelDecodingMixin:
                         "runs. Pass decoding=%r explicitly to get the error instead.", decoding, conflict, decoding)
             return super().generate(*args, **kwargs)
         _stop_strings_to_criteria(self, kwargs)
-        params = inspect.signature(strategy).parameters
+        settings = settings_class(strategy).names()
         for key, value in defaults.items():
-            if key in params:
+            if key in settings:
                 kwargs.setdefault(key, value)
-        if attached is not None and "drafter" in params:
+        if attached is not None and "drafter" in settings:
             kwargs.setdefault("drafter", attached)
         streamer = kwargs.pop("streamer", None)
         if streamer is not None:
-            if "pd_streamer" not in params:
+            if not takes_streamer(strategy):
                 raise ValueError(f"decoding={decoding!r} does not support `streamer`.")
             kwargs["pd_streamer"] = streamer
         return super().generate(*args, custom_generate=strategy, **kwargs)

@@ -1,25 +1,31 @@
 """Names of decoding strategies -> ``custom_generate`` callables.
 
-Built-in names (registered when this module is imported): ``"jacobi"``, ``"jacobi_forcing"``,
-``"lookahead"`` and ``"speculative"``. Third parties may register their own callables; a strategy
-must accept the arguments ``generate`` hands every ``custom_generate`` callable
-(:data:`hf_paralleldecode.compat.SAMPLE_ARGUMENTS`).
+Built-in names (registered when this module is imported): ``"jacobi"``, ``"jacobi_forcing"``, ``"lookahead"``,
+``"prompt_lookup"`` and ``"speculative"``. Third parties may register their own callables: one built by
+:func:`hf_paralleldecode.decoding_strategy` from a settings class, or any callable that accepts the arguments
+``generate`` hands every ``custom_generate`` callable (:data:`hf_paralleldecode.compat.SAMPLE_ARGUMENTS`), whose
+signature is then its settings' schema. A strategy's settings are its settings class
+(:func:`settings_class`): the registry, ``enable()``'s ``generate``, the saved configs, the bench and ``tune`` read
+it.
 """
 
 from __future__ import annotations
 
-import difflib
-import inspect
 from collections.abc import Callable
 
-from .compat import SAMPLE_ARGUMENTS
+from .decoding.jacobi import jacobi
+from .decoding.jacobi_forcing import jacobi_forcing
+from .decoding.lookahead import lookahead
+from .decoding.prompt_lookup import prompt_lookup
+from .decoding.speculative import speculative
+from .engine.settings import GENERATE_ARGUMENTS, STRATEGIES, StrategySettings, unknown_settings_hint
+from .engine.settings import settings_class as _settings_class
 
-__all__ = ["register_decoding", "get_decoding", "available_decodings", "decoding_settings", "unknown_settings_hint"]
+__all__ = ["register_decoding", "get_decoding", "available_decodings", "decoding_settings", "settings_class",
+           "unknown_settings_hint", "GENERATE_ARGUMENTS"]
 
-#: what ``generate`` hands every strategy itself: not settings a caller passes
-GENERATE_ARGUMENTS = frozenset(SAMPLE_ARGUMENTS - {"self"} | {"model"})
-
-_REGISTRY: dict[str, Callable] = {}
+#: the table (it lives in the engine, whose checks read it: ``engine/settings.py``)
+_REGISTRY = STRATEGIES
 
 
 def register_decoding(name: str, fn: Callable | None = None, *, overwrite: bool = False):
@@ -53,31 +59,16 @@ def get_decoding(name: str) -> Callable:
         ) from None
 
 
+def settings_class(decoding: str | Callable) -> type[StrategySettings]:
+    """The settings class of a strategy (its name or callable): the one it was built with, or for a callable
+    registered without one, a class read off its signature."""
+    return _settings_class(get_decoding(decoding) if isinstance(decoding, str) else decoding)
+
+
 def decoding_settings(decoding: str | Callable) -> list[str]:
-    """The settings ``generate(decoding=...)`` takes for a strategy (its name or callable): its named parameters
-    beyond what ``generate`` hands every strategy (sorted)."""
-    strategy = get_decoding(decoding) if isinstance(decoding, str) else decoding
-    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    return sorted(p.name for p in inspect.signature(strategy).parameters.values()
-                  if p.kind in named and p.name not in GENERATE_ARGUMENTS)
+    """The settings ``generate(decoding=...)`` takes for a strategy (its name or callable), sorted."""
+    return sorted(settings_class(decoding).names())
 
 
-def unknown_settings_hint(unknown, known) -> str:
-    """`` (did you mean 'x'?)`` for the first of ``unknown`` close to one of ``known``; else ``""``."""
-    for key in unknown:
-        close = difflib.get_close_matches(key, list(known), n=1)
-        if close:
-            return f" (did you mean {close[0]!r}?)"
-    return ""
-
-
-def _load_builtins() -> None:
-    import sys
-
-    from . import _register_builtin_strategies
-
-    _register_builtin_strategies(sys.modules[__name__])
-
-
-_load_builtins()
-
+for _strategy in (jacobi, prompt_lookup, speculative, jacobi_forcing, lookahead):
+    register_decoding(_strategy.__name__, _strategy, overwrite=True)

@@ -57,17 +57,21 @@ def tune(model, tokenizer, prompts: list[str], decoding: str, grid: dict[str, li
     """Measure the roofline curve and the grid, pick the fastest exact setting; return (and write) the report."""
     from .bench import grid_strategies, plot_sweep, run_benchmark
     from .config import ParallelDecodingConfig
-    from .decoding.budget import forward_cost
+    from .decoding.policy import forward_cost
+    from .registry import settings_class
 
     if not grid:
         raise ValueError("tune needs a grid of at least one setting, e.g. block_size=4,8,16.")
     if latency_budget_ms is not None and latency_budget_ms <= 0:
         raise ValueError(f"latency_budget_ms must be > 0, got {latency_budget_ms}.")
+    specs = grid_strategies(decoding, grid)
+    settings = settings_class(decoding)
+    for spec in specs:  # every point of the grid, checked by the strategy's settings class before anything is measured
+        settings.from_dict(spec.settings, decoding=decoding)
     lengths = [len(tokenizer(p).input_ids) for p in prompts]
     context = int(sum(lengths) / max(len(lengths), 1)) + max_new_tokens // 2  # the model's real context length
     curve = forward_cost(model, context=context, repeats=3, tokens=tokens)
     knee = knee_of(curve.points, knee_factor)
-    specs = grid_strategies(decoding, grid)
     report = run_benchmark(model, tokenizer, prompts, specs, max_new_tokens=max_new_tokens, repeats=repeats,
                            batch_size=batch_size, output_dir=None, progress=progress, model_name=model_name)
     rows = []

@@ -3,7 +3,7 @@
 ``python scripts/gpu_roofline.py --model random-1b --dtype bfloat16 --output roofline.json``
 ``python scripts/gpu_roofline.py --plot a.json b.json --output roofline.png``: a chart of reports.
 Each point: a ``[batch, k]`` forward after a ``--context``-token prefix held in the cache, median of
-``--repeats`` timed forwards after two warm-ups (``decoding.budget.forward_cost``: device sync around each, a fresh
+``--repeats`` timed forwards after two warm-ups (``decoding.policy.forward_cost``: device sync around each, a fresh
 cache per forward).
 """
 
@@ -48,7 +48,7 @@ def main() -> None:
         plot(args[:out], args[out + 1])
         return
     from hf_paralleldecode.cli import _load
-    from hf_paralleldecode.decoding.budget import forward_cost
+    from hf_paralleldecode.decoding.policy import forward_cost
 
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="random-1b")

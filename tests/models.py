@@ -100,6 +100,19 @@ class RecordingStreamer:
         self.ended += 1
 
 
+class FakeClock:
+    """A clock for the batch policy that moves only when told: ``clock.advance(0.05)``; ``clock()`` reads it."""
+
+    def __init__(self, now: float = 0.0):
+        self.now = float(now)
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
 class ForwardRecorder:
     """Wraps model.forward to record what each target forward is fed."""
 

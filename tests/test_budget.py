@@ -6,7 +6,7 @@ import pytest
 import torch
 from models import enabled, prompts
 
-from hf_paralleldecode.decoding.budget import CostAwareBudget, ForwardCost, forward_cost
+from hf_paralleldecode.decoding.policy import CostAwareBudget, ForwardCost, forward_cost, memory_of
 from hf_paralleldecode.engine.tree import pack_trees
 from hf_paralleldecode.engine.verify import Verdict, walk_tree
 
@@ -139,6 +139,7 @@ def test_a_keys_prior_sets_its_starting_rate_and_its_weight():
 
 def test_statistics_carry_over_to_the_owners_next_call_capped_and_per_name():
     import gc
+    import weakref
 
     class Owner:  # anything weakly referenceable: a model, a drafter
         pass
@@ -158,11 +159,11 @@ def test_statistics_carry_over_to_the_owners_next_call_capped_and_per_name():
                                memory=(owner, "jacobi_forcing")).carried  # another strategy starts afresh
     assert not CostAwareBudget(None, num_sources=3, cost=ForwardCost([(1, 1.0), (256, 1.0)]),
                                memory=(Owner(), "lookahead")).carried  # another owner too
-    from hf_paralleldecode.decoding import budget as budget_module
+    kept = weakref.ref(memory_of(owner))
 
     del owner, first, second
     gc.collect()
-    assert not any(isinstance(k, Owner) for k in budget_module._LEARNED.keys())  # held weakly
+    assert kept() is None  # kept on the owner: it goes with it
 
 
 def test_a_second_generate_call_starts_from_the_first_calls_statistics():
@@ -170,9 +171,7 @@ def test_a_second_generate_call_starts_from_the_first_calls_statistics():
     ids, mask = prompts(2)
     ids, mask = torch.cat([ids, ids], 1), torch.cat([mask, mask], 1)
     ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
-    from hf_paralleldecode.decoding import budget as budget_module
-
-    budget_module._LEARNED.pop(model, None)
+    memory_of(model).acceptance.clear()
     carried = []
     for _ in range(2):
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False,

@@ -192,7 +192,7 @@ def test_sliding_window_outgrown_names_the_window():
 # ---- probes stay inside the model's position limits ---------------------------------------------------
 def test_the_cost_probe_stays_inside_a_learned_position_table():
     """cost_aware=True measures forwards of up to 256 tokens after a 64-token prefix: not past GPT-2's table."""
-    from hf_paralleldecode.decoding.budget import forward_cost
+    from hf_paralleldecode.decoding.policy import forward_cost
     from hf_paralleldecode.engine.support import position_table_size
 
     model = hfpd.enable(tiny_model("gpt2", n_positions=128))

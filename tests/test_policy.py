@@ -3,17 +3,24 @@
 from __future__ import annotations
 
 import itertools
-import time
 from types import SimpleNamespace
 
 import pytest
 import torch
-from models import enabled, prompts, reference, tiny_model
+from models import FakeClock, enabled, prompts, reference, tiny_model
 
 import hf_paralleldecode as hfpd
 from hf_paralleldecode import DraftHead, Eagle3Drafter
-from hf_paralleldecode.decoding import policy as policy_module
-from hf_paralleldecode.decoding.policy import BatchPolicy, Shape, first_child_prefix, path_prefix, shapes_from
+from hf_paralleldecode.decoding.policy import (
+    BatchPolicy,
+    PolicyTuning,
+    Shape,
+    expected_max,
+    first_child_prefix,
+    memory_of,
+    path_prefix,
+    shapes_from,
+)
 from hf_paralleldecode.engine.tree import chain_tree, tree_from_parents
 
 pytestmark = pytest.mark.core
@@ -104,33 +111,35 @@ def test_a_revisit_pays_its_measured_time_not_its_estimate():
     drafter that skipped the plain steps catches up on them: the budget pays what the step took, so revisits that cost
     more than estimated come less often (measured at temperature 0.8, batch 1, JF model: 6.4% of steps speculated
     before, 2.3% after)."""
-    policy = BatchPolicy(shapes_from(4, 16, 20, True), explore_every=4)
+    clock = FakeClock(100.0)
+    policy = BatchPolicy(shapes_from(4, 16, 20, True), explore_every=4, clock=clock)
     b = BatchPolicy.bucket(1)
     _measured(policy, b, seconds=[0.100, 0.050, 0.040, 0.035, 0.030], relative=[0.7, 0.45, 0.3, 0.2])
     loss = 0.1 * (1 - 10 / 14)
     policy.since_tree, policy.budget = 100, loss + 0.01
     assert policy.choose(1) == 0
-    policy._pending, policy._done = (0, b, time.perf_counter() - 0.4), True  # the step took 0.4 s, 4x its estimate
+    policy._pending, policy._done = (0, b, clock() - 0.4), True  # the step took 0.4 s, 4x its estimate
     policy.close()
-    assert policy.budget == pytest.approx(0.01 - 0.3, abs=2e-3)
+    assert policy.budget == pytest.approx(0.01 - 0.3)
     # steps away from the tree refill it before the next revisit is paid for
     policy.since_tree = 1000
     picks = []
     for _ in range(40):
         picks.append(policy.choose(1))
-        policy._pending, policy._done = (picks[-1], b, time.perf_counter() - 0.05), True
-    assert 0 not in picks and policy.budget == pytest.approx(0.01 - 0.3 + 39 * 0.01 * 0.05, abs=1e-3)
+        policy._pending, policy._done = (picks[-1], b, clock() - 0.05), True
+    assert 0 not in picks and policy.budget == pytest.approx(0.01 - 0.3 + 39 * 0.01 * 0.05)
     # a revisit that took less than its estimate gives the difference back; a step of the tree that was not a
     # revisit paid from the budget (the policy's first steps, a tree that wins) changes nothing
     policy.budget = loss
     policy.since_tree = 1000
     assert policy.choose(1) == 0
-    policy._pending, policy._done = (0, b, time.perf_counter() - 0.06), True
+    policy._pending, policy._done = (0, b, clock() - 0.06), True
     policy.close()
-    assert policy.budget == pytest.approx(0.04, abs=2e-3)
-    policy._pending, policy._done = (0, b, time.perf_counter() - 0.5), True
+    refund = 0.04 + 0.01 * 0.05  # (and the last chain step, closed by that choice, added its share)
+    assert policy.budget == pytest.approx(refund)
+    policy._pending, policy._done = (0, b, clock() - 0.5), True
     policy.close()
-    assert policy.budget == pytest.approx(0.04, abs=2e-3)
+    assert policy.budget == pytest.approx(refund)
 
 
 def test_a_tree_whose_time_rests_on_a_slow_first_step_is_revisited_without_budget():
@@ -300,7 +309,7 @@ def test_the_policy_is_on_by_default_and_its_measurements_carry_over(decoding, s
                              decoding=decoding, return_dict_in_generate=True, **settings)
         assert out.stats["shape_steps"] and out.stats["adaptive"] is True
     owner = settings.get("drafter", model)
-    assert any(key[0] == decoding for key in policy_module._MEMORY[owner])
+    assert any(key[0] == decoding for key in memory_of(owner).policy)
     out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, decoding=decoding, adaptive=False,
                          return_dict_in_generate=True, **settings)
     assert "shape_steps" not in out.stats
@@ -314,7 +323,7 @@ def test_which_statistics_are_reproducible_depends_on_adaptive(monkeypatch, smal
     from models import small_prompts
 
     now = [0.0]
-    monkeypatch.setattr(policy_module.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(memory_of(small_vocab), "clock", lambda: now[0])  # the clock the model's calls are timed on
     ids, mask = small_prompts(1)
     counts = {}
     for per_token in (0.0, 1.0):  # the clock a forward advances: per forward (flat), or per token fed (steep)
@@ -340,12 +349,12 @@ def test_greedy_and_sampled_calls_do_not_share_measurements():
     model = enabled("llama")
     ids, mask = prompts(2)
     owner = model
-    policy_module._MEMORY.pop(owner, None)
+    memory_of(owner).policy.clear()
     kinds = [dict(do_sample=False), dict(do_sample=True, temperature=0.8), dict(do_sample=True, temperature=0.3),
              dict(do_sample=False, repetition_penalty=1.3)]
     for kind in kinds + kinds:  # the second round reuses each kind's own measurements
         model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, decoding="prompt_lookup", **kind)
-    keys = list(policy_module._MEMORY[owner])
+    keys = list(memory_of(owner).policy)
     assert len(keys) == 4 and len({k[:4] for k in keys}) == 1  # one entry per rule, the rest of the key alike
     rules = [k[4] for k in keys]
     assert rules[0] == (False, ()) and rules[1][0] and rules[1] != rules[2]
@@ -539,13 +548,16 @@ def test_a_shrinking_batch_reuses_the_times_of_a_larger_bucket_instead_of_measur
     assert policy.estimate(BatchPolicy.bucket(5), 0) == pytest.approx(0.100)
 
 
-def test_the_first_drafting_step_of_a_call_does_not_set_the_shapes_time_once_it_is_known(monkeypatch):
+def test_the_first_drafting_step_of_a_call_does_not_set_the_shapes_time_once_it_is_known():
     # a call's first step with a drafter also runs the drafter over the whole prompt: a one-time cost. When the
     # policy runs plain steps first and revisits the tree once per call, every tree step it times would be such a
     # step, the tree would look slower than it is and stay locked out. So once a shape has its samples in the
     # bucket, its first drafting step of a call is not timed (its tokens still count)
-    clock = iter(range(1000))
-    monkeypatch.setattr(policy_module.time, "perf_counter", lambda: float(next(clock)))
+    ticks = iter(range(1000))
+
+    def clock():  # one second per reading
+        return float(next(ticks))
+
     shapes = shapes_from(4, 16, 20, True)
     b = BatchPolicy.bucket(1)
     tree = tree_from_parents(torch.tensor([9]), [[9, 1]], [[-1, 0]], [[0, 1]])
@@ -557,12 +569,12 @@ def test_the_first_drafting_step_of_a_call_does_not_set_the_shapes_time_once_it_
         policy.observe(tree, verdict)
         policy.close()
 
-    policy = BatchPolicy(shapes)
+    policy = BatchPolicy(shapes, clock=clock)
     step(policy, 4)
     step(policy, 0)  # the call's first drafting step, no tree time yet: timed
     step(policy, 0)
     assert len(policy.times[(b, 0)]) == 2
-    later = BatchPolicy(shapes)
+    later = BatchPolicy(shapes, clock=clock)
     later.times = {k: list(v) for k, v in policy.times.items()}
     step(later, 4)
     step(later, 0)  # first drafting step of this call: the tree has its samples, not timed
@@ -667,7 +679,7 @@ def test_the_tail_factor_charges_the_steps_a_static_batch_runs_with_finished_row
         policy.times.update({(k, i): [0.05] * 4 for i in range(len(shapes))})
     flat = [policy.tail_factor(b, 16, i) for i in range(len(shapes))]
     mu, sigma, n = 5.0, 3.0, 64 / 5.0
-    w = policy_module._expected_max(16) * sigma * n ** 0.5 / mu
+    w = expected_max(16) * sigma * n ** 0.5 / mu
     assert flat[0] == pytest.approx(n / (n + w))
     assert flat[-1] == 1.0 and flat[0] < flat[1] < flat[2] < flat[3] < 1.0  # the wider the spread, the larger the tail
     assert policy.tail_factor(0, 1, 0) == 1.0  # one row has no tail
@@ -676,7 +688,7 @@ def test_the_tail_factor_charges_the_steps_a_static_batch_runs_with_finished_row
     assert flat[0] < policy.tail_factor(b, 16, 0) <= 1.0
     policy.remaining = None  # (a policy driven without the rows' remaining tokens)
     assert policy.tail_factor(b, 16, 0) == 1.0
-    assert policy_module._expected_max(1) == 0.0 and 1.7 < policy_module._expected_max(16) < 1.8
+    assert expected_max(1) == 0.0 and 1.7 < expected_max(16) < 1.8
 
 
 def test_at_a_large_batch_the_shape_with_the_smaller_tail_wins_a_close_per_step_race():
@@ -707,14 +719,14 @@ def test_the_policy_gets_the_rows_remaining_tokens_and_keeps_the_spread_across_c
         return real(self, rows, seconds, fed, remaining)
 
     monkeypatch.setattr(BatchPolicy, "start_step", spy)
-    policy_module._MEMORY.pop(model, None)
+    memory_of(model).policy.clear()
     model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False, decoding="prompt_lookup")
     assert seen[0] == (3, 11)  # the prefill committed each row's first token
     assert all(0 < r <= 11 for _, r in seen) and [r for _, r in seen] == sorted((r for _, r in seen), reverse=True)
-    stored = next(iter(policy_module._MEMORY[model].values()))
-    assert stored["paired_rows"] > BatchPolicy.prior and len(stored["squares"]) == len(stored["tokens"])
-    again = BatchPolicy(list(next(iter(policy_module._MEMORY[model]))[3]),
-                        memory=(model, next(iter(policy_module._MEMORY[model]))))
+    stored = next(iter(memory_of(model).policy.values()))
+    assert stored["paired_rows"] > PolicyTuning.prior and len(stored["squares"]) == len(stored["tokens"])
+    again = BatchPolicy(list(next(iter(memory_of(model).policy))[3]),
+                        memory=(model, next(iter(memory_of(model).policy))))
     assert again.squares == stored["squares"] and again.paired_rows == stored["paired_rows"]
 
 
@@ -728,10 +740,10 @@ def test_a_drafter_shared_by_two_models_does_not_carry_one_models_times_to_the_o
     twin = cost_twin(model, dict(hidden_size=96, intermediate_size=200, num_hidden_layers=4, q_width=96, kv_width=48))
     drafter = hfpd.DiffusionDrafter.for_target(model, num_hidden_layers=1, block_size=4)
     ids, mask = prompts(2)
-    policy_module._MEMORY.pop(drafter, None)
+    memory_of(drafter).policy.clear()
     kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=10, decoding="speculative", drafter=drafter)
     model.generate(**kwargs)
-    first = dict(policy_module._MEMORY[drafter])
+    first = dict(memory_of(drafter).policy)
     assert len(first) == 1
     seen = []
     real = BatchPolicy.__init__
@@ -745,7 +757,7 @@ def test_a_drafter_shared_by_two_models_does_not_carry_one_models_times_to_the_o
     with unittest.mock.patch.object(BatchPolicy, "__init__", spy):
         twin.generate(**kwargs)
     assert seen and seen[0] == {}  # nothing of the source model's times
-    assert len(policy_module._MEMORY[drafter]) == 2  # one entry per target
+    assert len(memory_of(drafter).policy) == 2  # one entry per target
     with unittest.mock.patch.object(BatchPolicy, "__init__", spy):
         model.generate(**kwargs)
     assert seen[-1]  # the source model's own times come back
@@ -771,14 +783,15 @@ def test_a_tree_whose_floor_wins_decisively_is_revisited_at_its_gaps_without_bud
 def test_a_step_much_faster_than_its_shapes_estimate_replaces_the_stale_window():
     """A shape's window measured while another process ran is stale once a step of it runs much faster: its time is
     then that step's, not the mean of the burst's (which would keep it locked out)."""
-    policy = BatchPolicy(shapes_from(4, 16, 20, True))
+    clock = FakeClock(10.0)
+    policy = BatchPolicy(shapes_from(4, 16, 20, True), clock=clock)
     b = BatchPolicy.bucket(1)
     policy.times[(b, 0)] = [1.0] * 8
-    policy._pending, policy._done, policy._drafted = (0, b, time.perf_counter() - 0.2), True, True
+    policy._pending, policy._done, policy._drafted = (0, b, clock() - 0.2), True, True
     policy.close()
-    assert policy.seconds(b, 0) == pytest.approx(0.2, abs=0.05)
+    assert policy.seconds(b, 0) == pytest.approx(0.2)
     policy.times[(b, 0)] = [0.20] * 4  # a step a little slower than the estimate joins the window as before
-    policy._pending, policy._done = (0, b, time.perf_counter() - 0.25), True
+    policy._pending, policy._done = (0, b, clock() - 0.25), True
     policy.close()
     assert len(policy.times[(b, 0)]) == 5
 

@@ -31,25 +31,52 @@ Lossless
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
-from ..engine.run import Proposer, check_int_setting, checks_settings, decode
+from ..engine.run import Proposer, decode_call
+from ..engine.settings import StrategySettings, decoding_strategy
 from ..engine.tree import chain_tree, root_tree
-from ..hardware import preset_settings
 from .policy import batch_policy, check_policy_settings, shapes_from
 
-__all__ = ["jacobi", "JACOBI_INITS"]
+__all__ = ["jacobi", "JacobiSettings", "JACOBI_INITS"]
 
 JACOBI_INITS = ("random_context", "repeat")
 
 
-def _check_jacobi_settings(block_size, jacobi_init, jacobi_seed, adaptive=True, max_step_tokens=None):
-    check_policy_settings(adaptive, max_step_tokens)
-    if block_size is not None:  # None: the device preset (hardware_preset)
-        check_int_setting("block_size", block_size, 1)
-    if jacobi_init not in JACOBI_INITS:
-        raise ValueError(f"`jacobi_init` must be one of {JACOBI_INITS}, got {jacobi_init!r}.")
-    check_int_setting("jacobi_seed", jacobi_seed, 0)
+@dataclass
+class JacobiSettings(StrategySettings):
+    """Settings of Jacobi decoding (:func:`hf_paralleldecode.jacobi`)."""
+
+    block_size: int | None = field(
+        default=None,
+        metadata={"help": "n, the number of tokens iterated in parallel (1 = ordinary greedy decoding; default: the "
+                          "device preset, 16 on CPU, see :func:`hf_paralleldecode.hardware_preset`).", "minimum": 1},
+    )
+    jacobi_init: str = field(
+        default="random_context",
+        metadata={"help": 'how the guesses of a new block are initialised, ``"random_context"`` or ``"repeat"`` (see '
+                          "the module docstring). Changes speed only, never the output.", "choices": JACOBI_INITS},
+    )
+    jacobi_seed: int = field(
+        default=0, metadata={"help": 'seed of the generator used by ``"random_context"``.', "minimum": 0},
+    )
+    adaptive: bool = field(
+        default=True,
+        metadata={"help": "let the batch policy (:mod:`hf_paralleldecode.decoding.policy`) pick each step's shape for "
+                          "the whole batch from measured committed tokens per second: the rest of the block "
+                          "(configured), at most 9, 5 or 3 of its tokens, or the last committed token alone (the "
+                          "guesses not fed wait for a later step; the measurements carry over to the model's next "
+                          "call). ``False`` feeds the rest of the block every step."},
+    )
+    max_step_tokens: int | None = field(
+        default=None,
+        metadata={"help": "with ``adaptive``, the most tokens one forward may feed for the whole batch.", "minimum": 1},
+    )
+
+    def check(self) -> None:
+        check_policy_settings(self.adaptive, self.max_step_tokens)
 
 
 class JacobiProposer(Proposer):
@@ -115,52 +142,18 @@ class JacobiProposer(Proposer):
         self.draft[:, 1:] = torch.where(rows_mask[:, None], fill, self.draft[:, 1:])
 
 
-@checks_settings(_check_jacobi_settings)
-def jacobi(
-    model,
-    input_ids: torch.LongTensor,
-    logits_processor,
-    stopping_criteria,
-    generation_config,
-    synced_gpus: bool = False,
-    streamer=None,
-    block_size: int | None = None,
-    jacobi_init: str = "random_context",
-    jacobi_seed: int = 0,
-    adaptive: bool = True,
-    max_step_tokens: int | None = None,
-    pd_streamer=None,
-    **model_kwargs,
-):
-    """Lossless Jacobi decoding (greedy or sampled); a ``custom_generate`` callable.
+def _run(model, settings: JacobiSettings, call):
+    preset, s = settings.with_preset(model, call.name)
+    return decode_call(
+        model, call, lambda run: JacobiProposer(run, s.block_size, s.jacobi_init, s.jacobi_seed, s.adaptive,
+                                                s.max_step_tokens),
+        dict(block_size=s.block_size, adaptive=s.adaptive, max_step_tokens=s.max_step_tokens, hardware_preset=preset))
 
-    Use ``model.generate(**inputs, custom_generate=hf_paralleldecode.jacobi, block_size=16)`` on
-    any model, or ``model.generate(**inputs, decoding="jacobi", block_size=16)`` on a model passed
-    through :func:`hf_paralleldecode.enable`.
 
-    Args:
-        block_size: n, the number of tokens iterated in parallel (1 = ordinary greedy decoding; default:
-            the device preset, 16 on CPU, see :func:`hf_paralleldecode.hardware_preset`).
-        jacobi_init: how the guesses of a new block are initialised, ``"random_context"`` or
-            ``"repeat"`` (see the module docstring). Changes speed only, never the output.
-        jacobi_seed: seed of the generator used by ``"random_context"``.
-        adaptive: let the batch policy (:mod:`hf_paralleldecode.decoding.policy`) pick each step's shape for
-            the whole batch from measured committed tokens per second: the rest of the block (configured), at
-            most 9, 5 or 3 of its tokens, or the last committed token alone (the guesses not fed wait for a
-            later step; the measurements carry over to the model's next call). ``False`` feeds the rest of the
-            block every step.
-        max_step_tokens: with ``adaptive``, the most tokens one forward may feed for the whole batch.
-        pd_streamer (BaseStreamer | None): streamer receiving committed tokens. ``decoding=`` routes ``streamer=`` here;
-            with ``custom_generate=jacobi`` pass ``pd_streamer=`` yourself, because transformers
-            does not hand ``streamer`` to ``custom_generate`` callables (it would only see the prompt).
-    """
-    _check_jacobi_settings(block_size, jacobi_init, jacobi_seed, adaptive, max_step_tokens)
-    preset, resolved = preset_settings(model, "jacobi", block_size=block_size)
-    block_size = resolved["block_size"]
-    return decode(
-        model, "jacobi", lambda run: JacobiProposer(run, block_size, jacobi_init, jacobi_seed, adaptive, max_step_tokens),
-        input_ids,
-        logits_processor, stopping_criteria, generation_config, streamer, model_kwargs,
-        dict(block_size=block_size, adaptive=adaptive, max_step_tokens=max_step_tokens, hardware_preset=preset),
-        pd_streamer=pd_streamer,
-    )
+jacobi = decoding_strategy("jacobi", JacobiSettings, _run, doc="""
+    Lossless Jacobi decoding (greedy or sampled); a ``custom_generate`` callable.
+
+    Use ``model.generate(**inputs, custom_generate=hf_paralleldecode.jacobi, block_size=16)`` on any model, or
+    ``model.generate(**inputs, decoding="jacobi", block_size=16)`` on a model passed through
+    :func:`hf_paralleldecode.enable`. The settings are :class:`JacobiSettings`.
+    """)

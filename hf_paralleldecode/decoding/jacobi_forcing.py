@@ -35,47 +35,99 @@ stock sampling.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from ..engine.ngram_pool import NgramPool
-from ..engine.run import check_int_setting, checks_settings, decode
-from ..hardware import CPU_DEFAULTS, GPU_DEFAULTS, preset_settings  # noqa: F401 - the presets' old home
+from ..engine.run import decode_call
+from ..engine.settings import StrategySettings, decoding_strategy
+from ..hardware import CPU_DEFAULTS, GPU_DEFAULTS  # noqa: F401 - the presets' old home
 from .policy import batch_policy, check_policy_settings, shapes_from
-from .prompt_lookup import CONTEXT, GUESSES, POOL, ComposedTreeProposer, check_context_settings
+from .prompt_lookup import CONTEXT, GUESSES, POOL, ComposedTreeProposer
 
-__all__ = ["jacobi_forcing", "GPU_DEFAULTS", "CPU_DEFAULTS"]
-
-
-
-def _check_settings(block_size, num_blocks, activation_ratio, pool_size, ngram_size, jacobi_seed, context_matches=None,
-                    context_tokens=None, context_ngram_size=3, tree_budget=None, cost_aware=False, adaptive=True,
-                    max_step_tokens=None):
-    """Values as given; ``None`` means "the device preset" and is filled in by :func:`_resolve_settings`."""
-    check_policy_settings(adaptive, max_step_tokens)
-    check_context_settings(context_matches, context_tokens, context_ngram_size, tree_budget, cost_aware)
-    for name, value, low in (("block_size", block_size, 1), ("num_blocks", num_blocks, 1), ("pool_size", pool_size, 0),
-                             ("ngram_size", ngram_size, 2), ("jacobi_seed", jacobi_seed, 0)):
-        if value is not None:
-            check_int_setting(name, value, low)
-    if activation_ratio is not None:
-        if isinstance(activation_ratio, bool) or not isinstance(activation_ratio, (int, float)):
-            raise ValueError(f"`activation_ratio` must be a number in (0, 1], got {activation_ratio!r}.")
-        if not 0 < activation_ratio <= 1:
-            raise ValueError(f"`activation_ratio` must be in (0, 1], got {activation_ratio}.")
+__all__ = ["jacobi_forcing", "JacobiForcingSettings", "GPU_DEFAULTS", "CPU_DEFAULTS"]
 
 
-def _resolve_settings(model, **given) -> tuple[str, dict]:
-    """The preset's name and the settings with every ``None`` replaced by it (``ngram_size``: ``max(block_size, 2)``).
 
-    The preset is :func:`hf_paralleldecode.hardware_preset` for the model's device (``CPU_DEFAULTS`` on
-    a CPU; on CUDA the part's roofline preset, which on Hopper / Blackwell is the paper's ``GPU_DEFAULTS``).
+def _check_ratio(value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"`activation_ratio` must be a number in (0, 1], got {value!r}.")
+    if not 0 < value <= 1:
+        raise ValueError(f"`activation_ratio` must be in (0, 1], got {value}.")
+
+
+@dataclass
+class JacobiForcingSettings(StrategySettings):
+    """Settings of Jacobi Forcing decoding (:func:`hf_paralleldecode.jacobi_forcing`).
+
+    ``None``: the device preset (:func:`hf_paralleldecode.hardware_preset`; ``GPU_DEFAULTS`` on Hopper / Blackwell,
+    ``CPU_DEFAULTS`` on a CPU), except ``ngram_size`` (``max(block_size, 2)``) and ``tree_budget`` (no cap).
     """
-    preset, out = preset_settings(model, "jacobi_forcing", **given)
-    if out["ngram_size"] is None:
-        out["ngram_size"] = max(out["block_size"], 2)
-    _check_settings(**out)
-    out["activation_ratio"] = float(out["activation_ratio"])
-    return preset, out
+
+    block_size: int | None = field(
+        default=None,
+        metadata={"help": "n, positions per block (default: 64 on CUDA, ``CPU_DEFAULTS`` on CPU). Every ``None`` below "
+                          "is the device preset too (``GPU_DEFAULTS`` / ``CPU_DEFAULTS``).", "minimum": 1},
+    )
+    num_blocks: int | None = field(
+        default=None,
+        metadata={"help": "K, blocks in flight (1 real-active + up to K - 1 pseudo-active).", "minimum": 1},
+    )
+    activation_ratio: float | None = field(
+        default=None,
+        metadata={"help": "r in (0, 1]: converged share of the newest block before another is added.",
+                  "check": _check_ratio},
+    )
+    pool_size: int | None = field(
+        default=None,
+        metadata={"help": "recycled n-gram candidates verified per step (0 disables rejection recycling).",
+                  "minimum": 0},
+    )
+    ngram_size: int | None = field(
+        default=None, metadata={"help": "length of recycled n-grams (default: ``max(block_size, 2)``).", "minimum": 2},
+    )
+    jacobi_seed: int = field(
+        default=0,
+        metadata={"help": "seed for the guesses of new blocks (drawn from the row's context).", "minimum": 0},
+    )
+    context_matches: int | None = field(
+        default=None,
+        metadata={"help": "continuations of the row's suffix found in its prompt and output (context n-grams, as "
+                          '``decoding="prompt_lookup"``) added to the tree each step; 0 = none (default: 0 on CUDA, '
+                          "2 on CPU).", "minimum": 0},
+    )
+    context_tokens: int | None = field(
+        default=None,
+        metadata={"help": "tokens of each context continuation (default: 10 on CUDA, 6 on CPU).", "minimum": 1},
+    )
+    context_ngram_size: int = field(
+        default=3, metadata={"help": "longest suffix looked up in the context.", "minimum": 1},
+    )
+    tree_budget: int | None = field(
+        default=None,
+        metadata={"help": "drafted nodes per step at most (``None``: no cap); the chain comes first.", "minimum": 1},
+    )
+    cost_aware: bool = field(
+        default=False,
+        metadata={"help": "feed the optional nodes (context and recycled candidates) only when their expected gain "
+                          "pays for their cost on this device (``hf_paralleldecode.decoding.budget``)."},
+    )
+    adaptive: bool = field(
+        default=True,
+        metadata={"help": "let the batch policy (:mod:`hf_paralleldecode.decoding.policy`) pick each step's shape for "
+                          "the whole batch from measured committed tokens per second: the chain with context and "
+                          "recycled candidates (configured), the chain alone cut to 8, 4 or 2 guesses, or a plain "
+                          "step (the guesses not fed wait for a later step; the measurements carry over to the "
+                          "model's next call). ``False`` feeds the configured tree every step."},
+    )
+    max_step_tokens: int | None = field(
+        default=None,
+        metadata={"help": "with ``adaptive``, the most tokens one forward may feed for the whole batch.", "minimum": 1},
+    )
+
+    def check(self) -> None:
+        check_policy_settings(self.adaptive, self.max_step_tokens)
 
 
 class MultiblockProposer(ComposedTreeProposer):
@@ -210,71 +262,24 @@ class MultiblockProposer(ComposedTreeProposer):
             self._fit(r, root_pos, fills, i)
 
 
-@checks_settings(_check_settings)
-def jacobi_forcing(
-    model,
-    input_ids: torch.LongTensor,
-    logits_processor,
-    stopping_criteria,
-    generation_config,
-    synced_gpus: bool = False,
-    streamer=None,
-    block_size: int | None = None,
-    num_blocks: int | None = None,
-    activation_ratio: float | None = None,
-    pool_size: int | None = None,
-    ngram_size: int | None = None,
-    jacobi_seed: int = 0,
-    context_matches: int | None = None,
-    context_tokens: int | None = None,
-    context_ngram_size: int = 3,
-    tree_budget: int | None = None,
-    cost_aware: bool = False,
-    adaptive: bool = True,
-    max_step_tokens: int | None = None,
-    pd_streamer=None,
-    **model_kwargs,
-):
-    """Lossless Jacobi Forcing decoding (multiblock + rejection recycling); a ``custom_generate`` callable.
+def _run(model, settings: JacobiForcingSettings, call):
+    """The preset is :func:`hf_paralleldecode.hardware_preset` for the model's device (``CPU_DEFAULTS`` on a CPU; on
+    CUDA the part's roofline preset, which on Hopper / Blackwell is the paper's ``GPU_DEFAULTS``)."""
+    preset, s = settings.with_preset(model, call.name)
+    if s.ngram_size is None:
+        s.ngram_size = max(s.block_size, 2)
+    s.activation_ratio = float(s.activation_ratio)
+    return decode_call(
+        model, call,
+        lambda run: MultiblockProposer(run, s.block_size, s.num_blocks, s.activation_ratio, s.pool_size, s.ngram_size,
+                                       s.jacobi_seed, s.context_matches, s.context_tokens, s.context_ngram_size,
+                                       s.tree_budget, s.cost_aware, s.adaptive, s.max_step_tokens),
+        {**{k: v for k, v in s.to_dict().items() if k != "jacobi_seed"}, "hardware_preset": preset})
 
-    Greedy or sampled (``do_sample=True``); see the module docstring.
 
-    Args:
-        block_size: n, positions per block (default: 64 on CUDA, ``CPU_DEFAULTS`` on CPU).
-            Every ``None`` below is the device preset too (``GPU_DEFAULTS`` / ``CPU_DEFAULTS``).
-        num_blocks: K, blocks in flight (1 real-active + up to K - 1 pseudo-active).
-        activation_ratio: r in (0, 1]: converged share of the newest block before another is added.
-        pool_size: recycled n-gram candidates verified per step (0 disables rejection recycling).
-        ngram_size: length of recycled n-grams (default: ``max(block_size, 2)``).
-        jacobi_seed: seed for the guesses of new blocks (drawn from the row's context).
-        context_matches: continuations of the row's suffix found in its prompt and output (context
-            n-grams, as ``decoding="prompt_lookup"``) added to the tree each step; 0 = none
-            (default: 0 on CUDA, 2 on CPU).
-        context_tokens: tokens of each context continuation (default: 10 on CUDA, 6 on CPU).
-        context_ngram_size: longest suffix looked up in the context.
-        tree_budget: drafted nodes per step at most (``None``: no cap); the chain comes first.
-        cost_aware: feed the optional nodes (context and recycled candidates) only when their
-            expected gain pays for their cost on this device (``hf_paralleldecode.decoding.budget``).
-        adaptive: let the batch policy (:mod:`hf_paralleldecode.decoding.policy`) pick each step's shape for
-            the whole batch from measured committed tokens per second: the chain with context and recycled
-            candidates (configured), the chain alone cut to 8, 4 or 2 guesses, or a plain step (the guesses
-            not fed wait for a later step; the measurements carry over to the model's next call). ``False``
-            feeds the configured tree every step.
-        max_step_tokens: with ``adaptive``, the most tokens one forward may feed for the whole batch.
-        pd_streamer (BaseStreamer | None): see :func:`hf_paralleldecode.jacobi`.
-    """
-    preset, settings = _resolve_settings(
-        model, block_size=block_size, num_blocks=num_blocks, activation_ratio=activation_ratio, pool_size=pool_size,
-        ngram_size=ngram_size, jacobi_seed=jacobi_seed, context_matches=context_matches, context_tokens=context_tokens,
-        context_ngram_size=context_ngram_size, tree_budget=tree_budget, cost_aware=cost_aware, adaptive=adaptive,
-        max_step_tokens=max_step_tokens)
-    return decode(
-        model, "jacobi_forcing",
-        lambda run: MultiblockProposer(run, settings["block_size"], settings["num_blocks"], settings["activation_ratio"],
-                                       settings["pool_size"], settings["ngram_size"], jacobi_seed,
-                                       settings["context_matches"], settings["context_tokens"], context_ngram_size,
-                                       tree_budget, cost_aware, adaptive, max_step_tokens),
-        input_ids, logits_processor, stopping_criteria, generation_config, streamer, model_kwargs,
-        {**{k: v for k, v in settings.items() if k != "jacobi_seed"}, "hardware_preset": preset},
-        pd_streamer=pd_streamer,
-    )
+jacobi_forcing = decoding_strategy("jacobi_forcing", JacobiForcingSettings, _run, doc="""
+    Lossless Jacobi Forcing decoding (multiblock + rejection recycling); a ``custom_generate`` callable.
+
+    Greedy or sampled (``do_sample=True``); see the module docstring. The settings are
+    :class:`JacobiForcingSettings`.
+    """)

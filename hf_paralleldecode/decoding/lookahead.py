@@ -33,29 +33,81 @@ is distributed as stock sampling.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from ..engine.ngram_pool import NgramPool
-from ..engine.run import check_int_setting, checks_settings, decode
-from ..hardware import preset_settings
+from ..engine.run import decode_call
+from ..engine.settings import StrategySettings, decoding_strategy
 from .policy import batch_policy, check_policy_settings, shapes_from
-from .prompt_lookup import CONTEXT, GUESSES, POOL, ComposedTreeProposer, check_context_settings
+from .prompt_lookup import CONTEXT, GUESSES, POOL, ComposedTreeProposer
 
-__all__ = ["lookahead"]
+__all__ = ["lookahead", "LookaheadSettings"]
 
 
-def _check_settings(window_size, ngram_size, guess_set_size, pool_from_prompt, lookahead_seed, context_matches,
-                    context_tokens, context_ngram_size, tree_budget, cost_aware, adaptive=True, max_step_tokens=None):
-    check_policy_settings(adaptive, max_step_tokens)
-    # None: the device preset (hardware_preset), filled in before the run
-    check_context_settings(context_matches, context_tokens, context_ngram_size, tree_budget, cost_aware)
-    for name, value, low in (("window_size", window_size, 1), ("ngram_size", ngram_size, 2),
-                             ("guess_set_size", guess_set_size, 0)):
-        if value is not None:
-            check_int_setting(name, value, low)
-    check_int_setting("lookahead_seed", lookahead_seed, 0)
-    if not isinstance(pool_from_prompt, bool):
-        raise ValueError(f"`pool_from_prompt` must be True or False, got {pool_from_prompt!r}.")
+@dataclass
+class LookaheadSettings(StrategySettings):
+    """Settings of lookahead decoding (:func:`hf_paralleldecode.lookahead`)."""
+
+    window_size: int | None = field(
+        default=None,
+        metadata={"help": "W, columns of the lookahead window (n-grams produced per step). This and every setting "
+                          "defaulting to ``None`` come from the device preset "
+                          "(:func:`hf_paralleldecode.hardware_preset`; CPU: W=5, N=4, G=5, 2 context matches).",
+                  "minimum": 1},
+    )
+    ngram_size: int | None = field(
+        default=None, metadata={"help": "N, length of the n-grams (the window has N - 1 levels); >= 2.", "minimum": 2},
+    )
+    guess_set_size: int | None = field(
+        default=None,
+        metadata={"help": "G, n-grams verified per step and kept per first token (0 = no verification branch: the "
+                          "window's level 0 is still verified, as a Jacobi guess).", "minimum": 0},
+    )
+    pool_from_prompt: bool = field(
+        default=True, metadata={"help": "seed the pool with the prompt's n-grams (good for code and edits)."},
+    )
+    lookahead_seed: int = field(
+        default=0,
+        metadata={"help": "seed of the generator that refills window columns from the context.", "minimum": 0},
+    )
+    context_matches: int | None = field(
+        default=None,
+        metadata={"help": "continuations of the row's suffix found in its prompt and output (context n-grams, as "
+                          '``decoding="prompt_lookup"``) added to the tree each step; 0 = none (CPU preset 2: '
+                          "measured faster on both embedded models and both prompt sets).", "minimum": 0},
+    )
+    context_tokens: int = field(
+        default=10, metadata={"help": "tokens of each context continuation.", "minimum": 1},
+    )
+    context_ngram_size: int = field(
+        default=3, metadata={"help": "longest suffix looked up in the context.", "minimum": 1},
+    )
+    tree_budget: int | None = field(
+        default=None,
+        metadata={"help": "drafted nodes per step at most (``None``: no cap); window columns come first.",
+                  "minimum": 1},
+    )
+    cost_aware: bool = field(
+        default=False,
+        metadata={"help": "feed the optional nodes (context and pool candidates) only when their expected gain pays "
+                          "for their cost on this device (``hf_paralleldecode.decoding.budget``)."},
+    )
+    adaptive: bool = field(
+        default=True,
+        metadata={"help": "let the batch policy (:mod:`hf_paralleldecode.decoding.policy`) pick, each step, between "
+                          "the window with its candidates and a plain step for the whole batch, from measured "
+                          "committed tokens per second (the measurements carry over to the model's next call). "
+                          "``False`` feeds the window every step."},
+    )
+    max_step_tokens: int | None = field(
+        default=None,
+        metadata={"help": "with ``adaptive``, the most tokens one forward may feed for the whole batch.", "minimum": 1},
+    )
+
+    def check(self) -> None:
+        check_policy_settings(self.adaptive, self.max_step_tokens)
 
 
 class LookaheadProposer(ComposedTreeProposer):
@@ -149,70 +201,19 @@ class LookaheadProposer(ComposedTreeProposer):
             self.levels[r], self.ages[r] = levels, ages
 
 
-@checks_settings(_check_settings)
-def lookahead(
-    model,
-    input_ids: torch.LongTensor,
-    logits_processor,
-    stopping_criteria,
-    generation_config,
-    synced_gpus: bool = False,
-    streamer=None,
-    window_size: int | None = None,
-    ngram_size: int | None = None,
-    guess_set_size: int | None = None,
-    pool_from_prompt: bool = True,
-    lookahead_seed: int = 0,
-    context_matches: int | None = None,
-    context_tokens: int = 10,
-    context_ngram_size: int = 3,
-    tree_budget: int | None = None,
-    cost_aware: bool = False,
-    adaptive: bool = True,
-    max_step_tokens: int | None = None,
-    pd_streamer=None,
-    **model_kwargs,
-):
-    """Lossless lookahead decoding (greedy or sampled); a ``custom_generate`` callable.
+def _run(model, settings: LookaheadSettings, call):
+    preset, s = settings.with_preset(model, call.name)
+    return decode_call(
+        model, call,
+        lambda run: LookaheadProposer(run, s.window_size, s.ngram_size, s.guess_set_size, s.pool_from_prompt,
+                                      s.lookahead_seed, s.context_matches, s.context_tokens, s.context_ngram_size,
+                                      s.tree_budget, s.cost_aware, s.adaptive, s.max_step_tokens),
+        {**{k: v for k, v in s.to_dict().items() if k not in ("pool_from_prompt", "lookahead_seed")},
+         "hardware_preset": preset})
 
-    Args:
-        window_size: W, columns of the lookahead window (n-grams produced per step). This and every
-            setting defaulting to ``None`` come from the device preset
-            (:func:`hf_paralleldecode.hardware_preset`; CPU: W=5, N=4, G=5, 2 context matches).
-        ngram_size: N, length of the n-grams (the window has N - 1 levels); >= 2.
-        guess_set_size: G, n-grams verified per step and kept per first token (0 = no verification
-            branch: the window's level 0 is still verified, as a Jacobi guess).
-        pool_from_prompt: seed the pool with the prompt's n-grams (good for code and edits).
-        lookahead_seed: seed of the generator that refills window columns from the context.
-        context_matches: continuations of the row's suffix found in its prompt and output (context
-            n-grams, as ``decoding="prompt_lookup"``) added to the tree each step; 0 = none
-            (CPU preset 2: measured faster on both embedded models and both prompt sets).
-        context_tokens: tokens of each context continuation.
-        context_ngram_size: longest suffix looked up in the context.
-        tree_budget: drafted nodes per step at most (``None``: no cap); window columns come first.
-        cost_aware: feed the optional nodes (context and pool candidates) only when their expected
-            gain pays for their cost on this device (``hf_paralleldecode.decoding.budget``).
-        adaptive: let the batch policy (:mod:`hf_paralleldecode.decoding.policy`) pick, each step, between the
-            window with its candidates and a plain step for the whole batch, from measured committed tokens per
-            second (the measurements carry over to the model's next call). ``False`` feeds the window every step.
-        max_step_tokens: with ``adaptive``, the most tokens one forward may feed for the whole batch.
-        pd_streamer (BaseStreamer | None): see :func:`hf_paralleldecode.jacobi`.
-    """
-    _check_settings(window_size, ngram_size, guess_set_size, pool_from_prompt, lookahead_seed, context_matches,
-                    context_tokens, context_ngram_size, tree_budget, cost_aware, adaptive, max_step_tokens)
-    preset, s = preset_settings(model, "lookahead", window_size=window_size, ngram_size=ngram_size,
-                                guess_set_size=guess_set_size, context_matches=context_matches)
-    window_size, ngram_size, guess_set_size, context_matches = (
-        s["window_size"], s["ngram_size"], s["guess_set_size"], s["context_matches"])
-    return decode(
-        model, "lookahead",
-        lambda run: LookaheadProposer(run, window_size, ngram_size, guess_set_size, pool_from_prompt, lookahead_seed,
-                                      context_matches, context_tokens, context_ngram_size, tree_budget, cost_aware,
-                                      adaptive, max_step_tokens),
-        input_ids, logits_processor, stopping_criteria, generation_config, streamer, model_kwargs,
-        dict(window_size=window_size, ngram_size=ngram_size, guess_set_size=guess_set_size,
-             context_matches=context_matches, context_tokens=context_tokens, context_ngram_size=context_ngram_size,
-             tree_budget=tree_budget, cost_aware=cost_aware, adaptive=adaptive, max_step_tokens=max_step_tokens,
-             hardware_preset=preset),
-        pd_streamer=pd_streamer,
-    )
+
+lookahead = decoding_strategy("lookahead", LookaheadSettings, _run, doc="""
+    Lossless lookahead decoding (greedy or sampled); a ``custom_generate`` callable.
+
+    The settings are :class:`LookaheadSettings`.
+    """)

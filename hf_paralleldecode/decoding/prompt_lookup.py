@@ -19,26 +19,60 @@ Cost
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
-from ..engine.run import Proposer, check_bool_setting, check_int_setting, checks_settings, decode
+from ..engine.run import Proposer, decode_call
+from ..engine.settings import StrategySettings, decoding_strategy
 from ..engine.tree import PackedTree, pack_trees, root_tree
-from ..hardware import preset_settings
-from .budget import CostAwareBudget
-from .policy import batch_policy, check_policy_settings, shapes_from
+from .policy import CostAwareBudget, batch_policy, check_policy_settings, shapes_from
 
-__all__ = ["prompt_lookup", "context_candidates", "NgramIndex", "ContextNgrams", "ComposedTreeProposer", "check_context_settings",
-           "GUESSES", "POOL", "CONTEXT"]
+__all__ = ["prompt_lookup", "PromptLookupSettings", "context_candidates", "NgramIndex", "ContextNgrams",
+           "ComposedTreeProposer", "GUESSES", "POOL", "CONTEXT"]
 
 
-def _check_settings(num_tokens, max_ngram_size, max_matches, tree_budget, cost_aware, adaptive=True,
-                    max_step_tokens=None):
-    check_policy_settings(adaptive, max_step_tokens)
-    for name, value in (("num_tokens", num_tokens), ("max_ngram_size", max_ngram_size), ("max_matches", max_matches),
-                        ("tree_budget", tree_budget)):
-        if value is not None:  # None: the device preset (hardware_preset), filled in before the run
-            check_int_setting(name, value, 1)
-    check_bool_setting("cost_aware", cost_aware)
+@dataclass
+class PromptLookupSettings(StrategySettings):
+    """Settings of context n-gram (prompt lookup) decoding (:func:`hf_paralleldecode.prompt_lookup`)."""
+
+    num_tokens: int | None = field(
+        default=None,
+        metadata={"help": "tokens drafted after each match (transformers' ``prompt_lookup_num_tokens``). This, "
+                          "``max_matches`` and ``tree_budget`` default to the device preset "
+                          "(:func:`hf_paralleldecode.hardware_preset`; CPU: 10, 4, 32).", "minimum": 1},
+    )
+    max_ngram_size: int = field(
+        default=3, metadata={"help": "longest suffix looked up; shorter ones down to 1 are tried too.", "minimum": 1},
+    )
+    max_matches: int | None = field(
+        default=None, metadata={"help": "distinct continuations merged into the tree per step.", "minimum": 1},
+    )
+    tree_budget: int | None = field(
+        default=None,
+        metadata={"help": "drafted nodes per step at most (the verification forward feeds at most "
+                          "``tree_budget + 1`` tokens).", "minimum": 1},
+    )
+    cost_aware: bool = field(
+        default=False,
+        metadata={"help": "feed only the nodes whose expected gain pays for their cost on this device "
+                          "(``hf_paralleldecode.decoding.budget``), under the ``tree_budget`` cap."},
+    )
+    adaptive: bool = field(
+        default=True,
+        metadata={"help": "let the batch policy (:mod:`hf_paralleldecode.decoding.policy`) pick each step's shape for "
+                          "the whole batch from measured committed tokens per second: every match (the configured "
+                          "tree), the first match cut to 8, 4 or 2 tokens, or a plain step (the measurements carry "
+                          "over to the model's next call). ``False`` feeds the configured tree every step."},
+    )
+    max_step_tokens: int | None = field(
+        default=None,
+        metadata={"help": "with ``adaptive``, the most tokens one verification forward may feed for the whole batch "
+                          "(rows x nodes per row, roots included). ``None``: no cap.", "minimum": 1},
+    )
+
+    def check(self) -> None:
+        check_policy_settings(self.adaptive, self.max_step_tokens)
 
 
 def context_candidates(context: torch.Tensor, num_tokens: int, max_ngram_size: int, max_matches: int) -> list[list[int]]:
@@ -49,19 +83,6 @@ def context_candidates(context: torch.Tensor, num_tokens: int, max_ngram_size: i
     ``context[p+n : p+n+num_tokens]``; longer ``n`` first, later ``p`` first, duplicates dropped.
     """
     return NgramIndex(context.tolist(), max_ngram_size).candidates(num_tokens, max_matches)
-
-
-def check_context_settings(context_matches, context_tokens, context_ngram_size, tree_budget, cost_aware) -> None:
-    """The settings every strategy that composes context n-grams into its tree shares (``None``: a preset
-    fills it in later)."""
-    if context_matches is not None:
-        check_int_setting("context_matches", context_matches, 0)
-    if context_tokens is not None:
-        check_int_setting("context_tokens", context_tokens, 1)
-    check_int_setting("context_ngram_size", context_ngram_size, 1)
-    if tree_budget is not None:
-        check_int_setting("tree_budget", tree_budget, 1)
-    check_bool_setting("cost_aware", cost_aware)
 
 
 #: proposer ids of candidates in budgeted trees: a Jacobi chain / lookahead window, the n-gram pool, context n-grams
@@ -104,6 +125,23 @@ class NgramIndex:
                     out.append(list(cont))
                     if len(out) == max_matches:
                         return out
+        return out
+
+    def chain(self, num_tokens: int, max_matches: int) -> list[int]:
+        """One continuation for a drafter that proposes chains (a serving engine's): the path of the trie of
+        :meth:`candidates` that most of them share, depth by depth (a tie goes to the better-ranked candidate)."""
+        alive = self.candidates(num_tokens, max_matches)
+        out: list[int] = []
+        for d in range(num_tokens):
+            votes: dict[int, list[int]] = {}  # token -> [candidates agreeing, -rank of the best of them]
+            for rank, cand in enumerate(alive):
+                if len(cand) > d:
+                    votes.setdefault(cand[d], [0, -rank])[0] += 1
+            if not votes:
+                break
+            token = max(votes, key=lambda t: votes[t])
+            out.append(token)
+            alive = [c for c in alive if len(c) > d and c[d] == token]
         return out
 
 
@@ -212,55 +250,16 @@ class ContextNgramProposer(ComposedTreeProposer):
         """Nothing to learn: the next step reads the committed tokens from the commit log."""
 
 
-@checks_settings(_check_settings)
-def prompt_lookup(
-    model,
-    input_ids: torch.LongTensor,
-    logits_processor,
-    stopping_criteria,
-    generation_config,
-    synced_gpus: bool = False,
-    streamer=None,
-    num_tokens: int | None = None,
-    max_ngram_size: int = 3,
-    max_matches: int | None = None,
-    tree_budget: int | None = None,
-    cost_aware: bool = False,
-    adaptive: bool = True,
-    max_step_tokens: int | None = None,
-    pd_streamer=None,
-    **model_kwargs,
-):
-    """Lossless context n-gram (prompt lookup) decoding, greedy or sampled, batched; a ``custom_generate`` callable.
+def _run(model, settings: PromptLookupSettings, call):
+    preset, s = settings.with_preset(model, call.name)
+    return decode_call(
+        model, call, lambda run: ContextNgramProposer(run, s.num_tokens, s.max_ngram_size, s.max_matches, s.tree_budget,
+                                                      s.cost_aware, s.adaptive, s.max_step_tokens),
+        {**s.to_dict(), "hardware_preset": preset})
 
-    Args:
-        num_tokens: tokens drafted after each match (transformers' ``prompt_lookup_num_tokens``). This,
-            ``max_matches`` and ``tree_budget`` default to the device preset
-            (:func:`hf_paralleldecode.hardware_preset`; CPU: 10, 4, 32).
-        max_ngram_size: longest suffix looked up; shorter ones down to 1 are tried too.
-        max_matches: distinct continuations merged into the tree per step.
-        tree_budget: drafted nodes per step at most (the verification forward feeds at most
-            ``tree_budget + 1`` tokens).
-        cost_aware: feed only the nodes whose expected gain pays for their cost on this device
-            (``hf_paralleldecode.decoding.budget``), under the ``tree_budget`` cap.
-        adaptive: let the batch policy (:mod:`hf_paralleldecode.decoding.policy`) pick each step's shape for
-            the whole batch from measured committed tokens per second: every match (the configured tree), the
-            first match cut to 8, 4 or 2 tokens, or a plain step (the measurements carry over to the model's
-            next call). ``False`` feeds the configured tree every step.
-        max_step_tokens: with ``adaptive``, the most tokens one verification forward may feed for the whole
-            batch (rows x nodes per row, roots included). ``None``: no cap.
-        pd_streamer (BaseStreamer | None): see :func:`hf_paralleldecode.jacobi`.
-    """
-    _check_settings(num_tokens, max_ngram_size, max_matches, tree_budget, cost_aware, adaptive, max_step_tokens)
-    preset, s = preset_settings(model, "prompt_lookup", num_tokens=num_tokens, max_matches=max_matches,
-                                tree_budget=tree_budget)
-    num_tokens, max_matches, tree_budget = s["num_tokens"], s["max_matches"], s["tree_budget"]
-    return decode(
-        model, "prompt_lookup",
-        lambda run: ContextNgramProposer(run, num_tokens, max_ngram_size, max_matches, tree_budget, cost_aware,
-                                         adaptive, max_step_tokens),
-        input_ids, logits_processor, stopping_criteria, generation_config, streamer, model_kwargs,
-        dict(num_tokens=num_tokens, max_ngram_size=max_ngram_size, max_matches=max_matches, tree_budget=tree_budget,
-             cost_aware=cost_aware, adaptive=adaptive, max_step_tokens=max_step_tokens, hardware_preset=preset),
-        pd_streamer=pd_streamer,
-    )
+
+prompt_lookup = decoding_strategy("prompt_lookup", PromptLookupSettings, _run, doc="""
+    Lossless context n-gram (prompt lookup) decoding, greedy or sampled, batched; a ``custom_generate`` callable.
+
+    The settings are :class:`PromptLookupSettings`.
+    """)

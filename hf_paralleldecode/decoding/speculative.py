@@ -43,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from dataclasses import dataclass, field
 
 import torch
 
@@ -51,32 +52,110 @@ from ..drafters.context import DrafterContext, DraftNodes, DraftStep
 from ..drafters.loading import check_drafter_dtype, drafter_run_dtype, load_drafter
 from ..engine.draft_tree import TreeBuilder
 from ..engine.processors import prefix_independent, process_prefixes
-from ..engine.run import Proposer, check_int_setting, checks_settings, decode
+from ..engine.run import Proposer, decode_call
+from ..engine.settings import StrategySettings, decoding_strategy
 from ..engine.target import HiddenStateTaps
 from ..engine.tree import PackedTree, root_tree, tree_from_parents
-from ..hardware import preset_settings
-from .budget import CostAwareBudget
-from .policy import batch_policy, check_policy_settings, shapes_from, target_key
-from .prompt_lookup import CONTEXT, GUESSES, ContextNgrams, check_context_settings
+from .policy import CostAwareBudget, batch_policy, check_policy_settings, shapes_from, target_key
+from .prompt_lookup import CONTEXT, GUESSES, ContextNgrams
 
-__all__ = ["speculative"]
+__all__ = ["speculative", "SpeculativeSettings"]
 
 
-def _check_tree(tree_budget, tree_width, tree_depth, tree_waves, context_matches=0, context_tokens=10,
-                context_ngram_size=3, denoise_steps=None, drafter_dtype=None, cost_aware=False, adaptive=True,
-                max_step_tokens=None):
-    check_context_settings(context_matches, context_tokens, context_ngram_size, None, cost_aware)
-    check_policy_settings(adaptive, max_step_tokens)
-    check_drafter_dtype(drafter_dtype)
-    if denoise_steps is not None:
-        check_int_setting("denoise_steps", denoise_steps, 1)
-    if tree_budget is not None:  # None: the device preset (hardware_preset), filled in before the run
-        check_int_setting("tree_budget", tree_budget, 1)
-    check_int_setting("tree_width", tree_width, 1)
-    if tree_depth is not None:
-        check_int_setting("tree_depth", tree_depth, 1)
-    if tree_waves is not None:
-        check_int_setting("tree_waves", tree_waves, 1)
+@dataclass
+class SpeculativeSettings(StrategySettings):
+    """Settings of speculative decoding with a learned drafter (:func:`hf_paralleldecode.speculative`)."""
+
+    drafter: Drafter | str | None = field(
+        default=None,
+        metadata={"help": "a :class:`hf_paralleldecode.DraftHead` built for this model, a "
+                          ":class:`hf_paralleldecode.DiffusionDrafter` sharing its vocabulary (DEER), the folder / Hub "
+                          'repo id of either, or a shipped alias (``"default-jetspec"``, ``"default-dflash"``, '
+                          '``"default-deer"``). It is moved to the model' "'s device and dtype; a head is bound to "
+                          "the model. A drafter for another vocabulary or tokenizer is refused before any forward."},
+    )
+    tree_budget: int | None = field(
+        default=None,
+        metadata={"help": "B, drafted nodes per step (the verification forward feeds B + 1 tokens); default: the "
+                          "device preset (:func:`hf_paralleldecode.hardware_preset`): 16 on CPU, where the shipped "
+                          "heads were fastest at B=16 (docs/methods/speculative.md), 128 to 256 on GPUs at batch 1.",
+                  "minimum": 1},
+    )
+    tree_width: int = field(default=8, metadata={"help": "W, children per node (1 = a chain).", "minimum": 1})
+    tree_depth: int | None = field(
+        default=None,
+        metadata={"help": "N, levels below the root (default: the drafter's ``block_size``). A diffusion drafter "
+                          "feeds ``tree_depth`` masks per step (its block size at inference, at most its "
+                          "``block_size``).", "minimum": 1},
+    )
+    tree_waves: int | None = field(
+        default=None,
+        metadata={"help": "branch-expanding drafters only (``tree_causal`` heads, EAGLE-3): drafter forwards per step "
+                          "at most (default: ``tree_depth``). Exact best-first insertion evaluates a node only once it "
+                          "is in the tree, so a confident chain takes one wave per level and the tree is capped near "
+                          "``tree_waves x tree_width`` nodes; more waves let large budgets fill (tau keeps rising with "
+                          "the budget) at one head forward each.", "minimum": 1},
+    )
+    denoise_steps: int | None = field(
+        default=None,
+        metadata={"help": "diffusion drafters only: denoising forwards per draft (default: the drafter's "
+                          "``denoise_steps``, 1 = DEER's one step); each further step unmasks the most confident "
+                          "remaining positions.", "minimum": 1},
+    )
+    context_matches: int | None = field(
+        default=0,
+        metadata={"help": "continuations of the row's suffix found in its prompt and output (context n-grams, as "
+                          '``decoding="prompt_lookup"``) merged into the head' "'s tree; they share ``tree_budget`` "
+                          "(up to half of it is kept for them). 0 = none. With ``do_sample=True`` a step with context "
+                          "candidates is verified by sample-then-match (lossless for any tree; rejection sampling "
+                          "needs every child drawn from ``q``, and the choice of rule may not depend on the draws).",
+                  "minimum": 0},
+    )
+    context_tokens: int | None = field(
+        default=10, metadata={"help": "tokens of each context continuation.", "minimum": 1},
+    )
+    context_ngram_size: int = field(
+        default=3, metadata={"help": "longest suffix looked up in the context.", "minimum": 1},
+    )
+    drafter_dtype: str | torch.dtype | None = field(
+        default=None,
+        metadata={"help": 'the dtype the drafter runs in (``"bfloat16"``, ``"float16"``, ``"float32"``, a '
+                          '``torch.dtype``, or ``"target"``: the model' "'s); a drafter object (given, or the model's "
+                          "attached one) is cast to it in place, a drafter folder loads the copy cached for that "
+                          "dtype. The draft only proposes, so the output does not depend on it (greedy stays exact). "
+                          "Default: the device preset's: " '``"bfloat16"`` on CPUs with native bf16 matrix units '
+                          '(AVX512-BF16 / AMX), where a drafter forward costs about half of an fp32 one, else '
+                          '``"target"``.', "check": check_drafter_dtype},
+    )
+    cost_aware: bool = field(
+        default=False,
+        metadata={"help": "feed only the drafted nodes whose expected gain pays for their cost on this device "
+                          "(:mod:`hf_paralleldecode.decoding.budget`): the tree is grown within ``tree_budget`` as "
+                          "usual, then cut to the best nodes by the product along their path of how often nodes of "
+                          "their ``q`` bucket (context nodes: their match rank) and depth were accepted (in this run, "
+                          "starting from the drafter's previous call), as many as maximise tokens per second under "
+                          "the forward cost measured on this device. ``tree_budget`` becomes a cap (a GPU keeps wide "
+                          "trees, a CPU narrow ones). With ``do_sample=True`` every step is verified by "
+                          "sample-then-match (lossless for any tree): the cut depends on the drawn tokens' values, so "
+                          "rejection sampling would be biased."},
+    )
+    adaptive: bool = field(
+        default=True,
+        metadata={"help": "let the batch policy (:mod:`hf_paralleldecode.decoding.policy`) pick each step's shape for "
+                          "the whole batch from measured committed tokens per second: the configured tree, a chain of "
+                          "at most 8, 4 or 2 levels without context matches, or a plain step without a drafter "
+                          "forward; greedy and sampled (the measurements carry over to the drafter's next call). "
+                          "``False`` feeds the configured tree every step."},
+    )
+    max_step_tokens: int | None = field(
+        default=None,
+        metadata={"help": "with ``adaptive``, the most tokens one verification forward may feed for the whole batch "
+                          "(rows x nodes per row, roots included): a latency cap per step. ``None``: no cap.",
+                  "minimum": 1},
+    )
+
+    def check(self) -> None:
+        check_policy_settings(self.adaptive, self.max_step_tokens)
 
 
 def drafter_conflict(drafter, max_length: int) -> str | None:
@@ -91,7 +170,7 @@ def drafter_conflict(drafter, max_length: int) -> str | None:
     return None
 
 
-def _check_settings(model, drafter, tree_budget, tree_width, tree_depth, tree_waves, denoise_steps=None, dtype=None):
+def _check_settings(model, drafter, tree_depth, tree_waves, denoise_steps=None, dtype=None):
     if drafter is None:
         raise ValueError(
             'decoding="speculative" needs a drafter: pass drafter=<a drafter object, folder, Hub repo id or shipped '
@@ -101,7 +180,6 @@ def _check_settings(model, drafter, tree_budget, tree_width, tree_depth, tree_wa
     # a path: the drafter cached for this device and dtype (never moved); checked against the model, whose depth
     # its taps may depend on
     drafter = load_drafter(drafter, device=model.device, dtype=dtype or model.dtype).bind(model)
-    _check_tree(tree_budget, tree_width, tree_depth, tree_waves, denoise_steps=denoise_steps)
     depth = drafter.default_depth if tree_depth is None else tree_depth
     drafter.check_settings(depth, tree_waves, denoise_steps)
     return drafter, depth
@@ -396,125 +474,41 @@ class DraftProposer(Proposer):
         return {**self.draft_stats.as_stats(), **context}
 
 
-@checks_settings(_check_tree)
-def speculative(
-    model,
-    input_ids: torch.LongTensor,
-    logits_processor,
-    stopping_criteria,
-    generation_config,
-    synced_gpus: bool = False,
-    streamer=None,
-    drafter=None,
-    tree_budget: int | None = None,
-    tree_width: int = 8,
-    tree_depth: int | None = None,
-    tree_waves: int | None = None,
-    denoise_steps: int | None = None,
-    context_matches: int = 0,
-    context_tokens: int = 10,
-    context_ngram_size: int = 3,
-    drafter_dtype: str | torch.dtype | None = None,
-    cost_aware: bool = False,
-    adaptive: bool = True,
-    max_step_tokens: int | None = None,
-    pd_streamer=None,
-    **model_kwargs,
-):
-    """Lossless speculative decoding with a draft head (JetSpec / DFlash); a ``custom_generate`` callable.
-
-    Greedy output equals stock greedy output (token for token in fp32); with ``do_sample=True`` the
-    output is distributed as stock sampling (multi-draft rejection sampling with the head's ``q``).
-
-    Args:
-        drafter (DraftHead | DiffusionDrafter | str | None): a :class:`hf_paralleldecode.DraftHead` built for
-            this model, a :class:`hf_paralleldecode.DiffusionDrafter` sharing its vocabulary (DEER), the folder /
-            Hub repo id of either, or a shipped alias (``"default-jetspec"``, ``"default-dflash"``,
-            ``"default-deer"``). It is moved to the model's device and dtype; a head is bound to the model.
-            A drafter for another vocabulary or tokenizer is refused before any forward.
-        tree_budget: B, drafted nodes per step (the verification forward feeds B + 1 tokens); default:
-            the device preset (:func:`hf_paralleldecode.hardware_preset`): 16 on CPU, where the shipped
-            heads were fastest at B=16 (docs/methods/speculative.md), 128 to 256 on GPUs at batch 1.
-        tree_width: W, children per node (1 = a chain).
-        tree_depth: N, levels below the root (default: the drafter's ``block_size``). A diffusion drafter
-            feeds ``tree_depth`` masks per step (its block size at inference, at most its ``block_size``).
-        tree_waves: branch-expanding drafters only (``tree_causal`` heads, EAGLE-3): drafter forwards per step
-            at most (default: ``tree_depth``).
-            Exact best-first insertion evaluates a node only once it is in the tree, so a confident
-            chain takes one wave per level and the tree is capped near ``tree_waves x tree_width``
-            nodes; more waves let large budgets fill (tau keeps rising with the budget) at one head
-            forward each.
-        context_matches: continuations of the row's suffix found in its prompt and output (context
-            n-grams, as ``decoding="prompt_lookup"``) merged into the head's tree; they share
-            ``tree_budget`` (up to half of it is kept for them). 0 = none. With ``do_sample=True``
-            a step with context candidates is verified by sample-then-match (lossless for any tree;
-            rejection sampling needs every child drawn from ``q``, and the choice of rule may not
-            depend on the draws).
-        context_tokens: tokens of each context continuation.
-        context_ngram_size: longest suffix looked up in the context.
-        denoise_steps: diffusion drafters only: denoising forwards per draft (default: the drafter's
-            ``denoise_steps``, 1 = DEER's one step); each further step unmasks the most confident
-            remaining positions.
-        drafter_dtype: the dtype the drafter runs in (``"bfloat16"``, ``"float16"``, ``"float32"``, a
-            ``torch.dtype``, or ``"target"``: the model's); a drafter object (given, or the model's attached one) is cast
-            to it in place, a drafter folder loads the copy cached for that dtype. The draft
-            only proposes, so the output does not depend on it (greedy stays exact). Default: the device
-            preset's: ``"bfloat16"`` on CPUs with native bf16 matrix units (AVX512-BF16 / AMX), where a
-            drafter forward costs about half of an fp32 one, else ``"target"``.
-        cost_aware: feed only the drafted nodes whose expected gain pays for their cost on this device
-            (:mod:`hf_paralleldecode.decoding.budget`): the tree is grown within ``tree_budget`` as
-            usual, then cut to the best nodes by the product along their path of how often nodes of
-            their ``q`` bucket (context nodes: their match rank) and depth were accepted (in this run,
-            starting from the drafter's previous call), as many as maximise tokens per
-            second under the forward cost measured on this device.
-            ``tree_budget`` becomes a cap (a GPU keeps wide trees, a CPU narrow ones). With
-            ``do_sample=True`` every step is verified by sample-then-match (lossless for any tree):
-            the cut depends on the drawn tokens' values, so rejection sampling would be biased.
-        adaptive: let the batch policy (:mod:`hf_paralleldecode.decoding.policy`) pick each step's shape for
-            the whole batch from measured committed tokens per second: the configured tree, a chain of at most
-            8, 4 or 2 levels without context matches, or a plain step without a drafter forward; greedy and
-            sampled (the measurements carry over to the drafter's next call). ``False`` feeds the configured
-            tree every step.
-        max_step_tokens: with ``adaptive``, the most tokens one verification forward may feed for the whole
-            batch (rows x nodes per row, roots included): a latency cap per step. ``None``: no cap.
-        pd_streamer (BaseStreamer | None): see :func:`hf_paralleldecode.jacobi`.
-    """
-    check_context_settings(context_matches, context_tokens, context_ngram_size, None, cost_aware)
-    check_policy_settings(adaptive, max_step_tokens)
-    check_drafter_dtype(drafter_dtype)
-    preset, resolved = preset_settings(model, "speculative", tree_budget=tree_budget, drafter_dtype=drafter_dtype)
-    tree_budget = resolved["tree_budget"]
-    dtype = drafter_run_dtype(resolved["drafter_dtype"], model)
-    drafter, depth = _check_settings(model, drafter, tree_budget, tree_width, tree_depth, tree_waves, denoise_steps,
-                                     dtype)
-    reason = drafter_conflict(drafter, int(generation_config.max_length))
+def _run(model, settings: SpeculativeSettings, call):
+    preset, s = settings.with_preset(model, call.name)
+    dtype = drafter_run_dtype(s.drafter_dtype, model)
+    drafter, depth = _check_settings(model, s.drafter, s.tree_depth, s.tree_waves, s.denoise_steps, dtype)
+    reason = drafter_conflict(drafter, int(call.generation_config.max_length))
     if reason is not None:
         raise ValueError(f"decoding='speculative' {reason}")
     if drafter.device != model.device or drafter.dtype != dtype:  # a drafter object given or attached: in place
         drafter.to(device=model.device, dtype=dtype)
     vocab = target_vocab_size(model)
-    settings = dict(tree_budget=tree_budget, tree_width=tree_width, tree_depth=depth, context_matches=context_matches,
-                    context_tokens=context_tokens, context_ngram_size=context_ngram_size, hardware_preset=preset,
-                    drafter_dtype=str(dtype).removeprefix("torch."), cost_aware=cost_aware, adaptive=adaptive,
-                    max_step_tokens=max_step_tokens,
-                    **drafter.run_settings(depth, denoise_steps=denoise_steps))
-    waves = tree_waves or depth
+    stats = dict(tree_budget=s.tree_budget, tree_width=s.tree_width, tree_depth=depth,
+                 context_matches=s.context_matches, context_tokens=s.context_tokens,
+                 context_ngram_size=s.context_ngram_size, hardware_preset=preset,
+                 drafter_dtype=str(dtype).removeprefix("torch."), cost_aware=s.cost_aware, adaptive=s.adaptive,
+                 max_step_tokens=s.max_step_tokens, **drafter.run_settings(depth, denoise_steps=s.denoise_steps))
+    waves = s.tree_waves or depth
     if drafter.expansion == "branches":
-        settings["tree_waves"] = waves
+        stats["tree_waves"] = waves
     taps = HiddenStateTaps(model, drafter.tap_layers) if drafter.tap_layers else contextlib.nullcontext()
 
     def proposer(run):
         context = DrafterContext.from_run(run, taps if drafter.tap_layers else None, vocab)
-        return DraftProposer(run, drafter, drafter.start(context, depth, denoise_steps=denoise_steps), vocab,
-                             tree_budget, tree_width, depth, waves, context_matches, context_tokens, context_ngram_size,
-                             cost_aware, adaptive, max_step_tokens)
+        return DraftProposer(run, drafter, drafter.start(context, depth, denoise_steps=s.denoise_steps), vocab,
+                             s.tree_budget, s.tree_width, depth, waves, s.context_matches, s.context_tokens,
+                             s.context_ngram_size, s.cost_aware, s.adaptive, s.max_step_tokens)
 
     with taps:  # hooks removed on exit
-        return decode(
-            model, "speculative", proposer,
-            input_ids, logits_processor, stopping_criteria, generation_config, streamer, model_kwargs, settings,
-            pd_streamer=pd_streamer,
-        )
+        return decode_call(model, call, proposer, stats)
 
 
+speculative = decoding_strategy("speculative", SpeculativeSettings, _run, doc="""
+    Lossless speculative decoding with a draft head (JetSpec / DFlash); a ``custom_generate`` callable.
+
+    Greedy output equals stock greedy output (token for token in fp32); with ``do_sample=True`` the output is
+    distributed as stock sampling (multi-draft rejection sampling with the head's ``q``). The settings are
+    :class:`SpeculativeSettings`.
+    """)
 speculative.drafter_conflict = drafter_conflict  # the pre-check of enable()'s generate asks it too

@@ -26,6 +26,7 @@ from ..compat import GenerateDecoderOnlyOutput, enclosing_generate_streamer, use
 from .cache import SlotCache, prepare_cache
 from .commit import CommitLog
 from .processors import prefix_independent, process_block
+from .settings import check_bool_setting, check_int_setting  # noqa: F401 - their old home
 from .support import (
     generation_config_conflict,
     model_conflict,
@@ -37,8 +38,7 @@ from .target import TargetForward
 from .tree import PackedTree
 from .verify import Verdict, verify_tree
 
-__all__ = ["DecodeRun", "ContextDraw", "ParallelDecodingOutput", "Proposer", "decode", "start", "check_int_setting", "check_bool_setting"]
-
+__all__ = ["DecodeRun", "ContextDraw", "ParallelDecodingOutput", "Proposer", "decode", "decode_call", "start"]
 
 
 @dataclass
@@ -68,42 +68,6 @@ class ParallelDecodingOutput(GenerateDecoderOnlyOutput):
     decoding: str | None = None
     stats: dict | None = None
     draft_stats: Any = None
-
-
-def check_int_setting(name: str, value, minimum: int) -> int:
-    """Validate an integer setting (bools and floats are refused) and return it."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"`{name}` must be an integer >= {minimum}, got {value!r} ({type(value).__name__}).")
-    if value < minimum:
-        raise ValueError(f"`{name}` must be >= {minimum}, got {value}.")
-    return value
-
-
-def check_bool_setting(name: str, value) -> bool:
-    """Validate a True/False setting and return it."""
-    if not isinstance(value, bool):
-        raise ValueError(f"`{name}` must be True or False, got {value!r}.")
-    return value
-
-
-def checks_settings(check):
-    """Decorator for a strategy: ``strategy.check_settings(settings)`` runs ``check`` on the settings it
-    names, the strategy's defaults filling the rest, without a model. ``ParallelDecodingConfig``
-    uses it to refuse bad values at construction instead of at the first ``generate``."""
-    import inspect
-
-    names = list(inspect.signature(check).parameters)
-
-    def attach(strategy):
-        params = inspect.signature(strategy).parameters
-
-        def check_settings(settings: dict) -> None:
-            check(**{n: settings.get(n, params[n].default) for n in names})
-
-        strategy.check_settings = check_settings
-        return strategy
-
-    return attach
 
 
 def _validate(model, name, input_ids, generation_config, logits_processor, model_kwargs):
@@ -499,3 +463,10 @@ def decode(model, name, make_proposer, input_ids, logits_processor, stopping_cri
         run.stats.update(proposer.stats)
         run.draft_stats = getattr(proposer, "draft_stats", None)
     return run.result(bool(generation_config.return_dict_in_generate), wall_start)
+
+
+def decode_call(model, call, make_proposer, settings: dict):
+    """:func:`decode` for the :class:`~.settings.GenerateCall` a strategy built by
+    :func:`~.settings.decoding_strategy` receives; ``settings``: what the output's ``stats`` record of them."""
+    return decode(model, call.name, make_proposer, call.input_ids, call.logits_processor, call.stopping_criteria,
+                  call.generation_config, call.streamer, call.model_kwargs, settings, pd_streamer=call.pd_streamer)

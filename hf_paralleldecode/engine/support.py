@@ -43,6 +43,7 @@ from ..compat import (
     sharded_across_processes,
     user_cache,
 )
+from .settings import GENERATE_ARGUMENTS, STRATEGIES, STREAMER_ARGUMENT, settings_class, unknown_settings_hint
 
 __all__ = ["SUPPORTED_ATTENTION", "STEP_INPUTS", "model_conflict", "generation_config_conflict",
            "model_inputs_conflict", "distributed_conflict", "call_conflict"]
@@ -164,16 +165,15 @@ def model_inputs_conflict(model_inputs: dict, model=None, decoding=None) -> str 
     """Why the model inputs of a call cannot be fed at every step, or ``None``.
 
     With ``model`` and ``decoding`` (a registered name or a strategy callable), a key that looks like a
-    setting (a near miss of one of the decoding's, another decoding's, or a name ``model.forward`` cannot
-    take) is reported as an unknown setting."""
+    setting (a near miss of one of the decoding's, another registered decoding's, or a name ``model.forward``
+    cannot take) is reported as an unknown setting (the settings are the strategies' settings classes)."""
     refused = sorted(k for k, v in model_inputs.items()
                      if v is not None and k not in HANDLED_INPUTS and k not in STEP_INPUTS)
     if not refused:
         return None
     if model is not None and decoding is not None:
-        from ..registry import available_decodings, decoding_settings
-
-        settings = decoding_settings(decoding) if callable(decoding) or decoding in available_decodings() else []
+        strategy = decoding if callable(decoding) else STRATEGIES.get(decoding)
+        settings = sorted(settings_class(strategy).names()) if strategy is not None else []
         reason = _unknown_settings(refused, model, settings)
         if reason:
             return reason
@@ -185,10 +185,8 @@ def model_inputs_conflict(model_inputs: dict, model=None, decoding=None) -> str 
 def _unknown_settings(keys: list[str], model, settings: list[str]) -> str | None:
     """Keys that look like settings rather than model inputs: a setting of another decoding, a near miss of one
     of this decoding's ``settings``, or a name stock ``generate`` would not take as an input of ``model``."""
-    from ..registry import available_decodings, decoding_settings, unknown_settings_hint
-
     inputs = generate_model_inputs(model)
-    others = {d: decoding_settings(d) for d in available_decodings()}
+    others = {d: settings_class(strategy).names() for d, strategy in STRATEGIES.items()}
     elsewhere = {k: [d for d, ds in others.items() if k in ds] for k in keys}
     unknown = [k for k in keys if elsewhere[k] or unknown_settings_hint([k], settings) or k not in inputs]
     if not unknown:
@@ -248,7 +246,8 @@ def call_conflict(model, strategy, kwargs: dict, input_length: int = 1, drafter=
         return reason
     from transformers import GenerationMixin
 
-    not_inputs = set(inspect.signature(strategy).parameters) | set(inspect.signature(GenerationMixin.generate).parameters) | {
-        "tokenizer", "assistant_tokenizer", "trust_remote_code", "decoding", "generation_config"}
+    not_inputs = (set(settings_class(strategy).names()) | GENERATE_ARGUMENTS | {STREAMER_ARGUMENT}
+                  | set(inspect.signature(GenerationMixin.generate).parameters)
+                  | {"tokenizer", "assistant_tokenizer", "trust_remote_code", "decoding", "generation_config"})
     inputs = {k: v for k, v in kwargs.items() if k not in not_inputs and not hasattr(gc, k)}
     return model_inputs_conflict(inputs, model, strategy)

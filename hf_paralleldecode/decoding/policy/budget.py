@@ -22,16 +22,21 @@ The rule
     A CPU, whose forward cost grows with every token, keeps few candidates; a GPU, flat up to its
     roofline knee, keeps many. ``tree_budget`` stays a hard cap on top.
 
+Timing and memory
+    The budget is driven by its :class:`~.rule.BatchPolicy`, which reads the one clock of the call (the target
+    model's, :class:`~.memory.PolicyMemory`) and hands the budget each step's start; the forward-cost probe reads
+    the same clock. The measured forward-cost points are kept in the model's memory, the acceptance counts in their
+    owner's (the model, or the drafter), for the next call.
+
 What it deliberately does not know
-    Where candidates come from; :func:`~.tree.pack_candidates` applies the choice.
+    Where candidates come from; :func:`~hf_paralleldecode.engine.tree.pack_candidates` applies the choice.
 """
 
 from __future__ import annotations
 
-import time
-import weakref
-
 import torch
+
+from .memory import memory_of
 
 __all__ = ["ForwardCost", "AcceptanceModel", "CostAwareBudget", "forward_cost"]
 
@@ -79,22 +84,19 @@ class ForwardCost:
         return {"tokens": [n for n, _ in self.points], "seconds": [s for _, s in self.points]}
 
 
-_COSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {(device, dtype): measured points}
-_LEARNED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # owner -> {name: (hits, trials)} of its last call
-
-
 @torch.no_grad()
 def forward_cost(model, context: int = 64, repeats: int = 5, tokens=MEASURED_TOKENS, batch: int = 1,
                  warmups: int = 1) -> ForwardCost:
-    """Measure (once per model, device and dtype; cached) ``T(n)`` for ``n`` in :data:`MEASURED_TOKENS`.
+    """Measure (once per model, device and dtype; kept in the model's :class:`~.memory.PolicyMemory`) ``T(n)`` for
+    ``n`` in :data:`MEASURED_TOKENS`.
 
     Each point is the median of ``repeats`` forwards of ``n`` tokens (``n`` in ``tokens``) after a
     ``context``-token prefix held in a cache, timed with a device sync on CUDA, for ``batch`` rows (``n`` tokens
-    each), after ``warmups`` untimed ones. Costs a few dozen forwards.
+    each), after ``warmups`` untimed ones, on the model's clock. Costs a few dozen forwards.
     On a model with a learned position table (GPT-2's ``n_positions``) the probe stays inside it: the prefix
     shrinks to a quarter of the table at most and sizes that would not fit are not measured.
     """
-    from ..engine.support import position_table_size
+    from ...engine.support import position_table_size
 
     table = position_table_size(model)
     if table is not None:
@@ -102,10 +104,11 @@ def forward_cost(model, context: int = 64, repeats: int = 5, tokens=MEASURED_TOK
         tokens = tuple(n for n in tokens if context + n <= table) or (1,)
     device = next(model.parameters()).device
     key = (str(device), str(next(model.parameters()).dtype), int(context), tuple(tokens), int(batch), int(warmups))
-    known = _COSTS.setdefault(model, {})
+    memory = memory_of(model)
+    known, clock = memory.forward_costs, memory.clock
     if key in known:
         return ForwardCost(known[key])  # a fresh level per run, the measured shape
-    from ..compat import DynamicCache, cache_kwargs
+    from ...compat import DynamicCache, cache_kwargs
 
     vocab = model.get_output_embeddings().weight.shape[0] if model.get_output_embeddings() is not None else 2
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *a: None)
@@ -118,10 +121,10 @@ def forward_cost(model, context: int = 64, repeats: int = 5, tokens=MEASURED_TOK
             ids = torch.randint(0, vocab, (batch, context + n), generator=generator).to(device)
             model(input_ids=ids[:, :context], use_cache=True, **cache_kwargs(model, cache))
             sync()
-            t0 = time.perf_counter()
+            t0 = clock()
             model(input_ids=ids[:, context:], use_cache=True, **cache_kwargs(model, cache))
             sync()
-            times.append(time.perf_counter() - t0)
+            times.append(clock() - t0)
         timed = sorted(times[warmups:])
         points.append((n, timed[len(timed) // 2]))
     known[key] = ForwardCost(points).points
@@ -214,17 +217,18 @@ class CostAwareBudget:
                  memory: tuple | None = None):
         """``memory``: ``(owner, name)``. The acceptance statistics start from those of ``owner``'s last call
         under ``name`` (at most :attr:`carried_trials` verdicts per cell; :attr:`carried` says whether any were),
-        and :meth:`remember` stores this call's. The owner is held weakly (a model, a drafter)."""
+        and :meth:`remember` stores this call's, in the owner's :class:`~.memory.PolicyMemory` (a model, a
+        drafter)."""
         self.cost = cost if cost is not None else forward_cost(model)
         self.acceptance = AcceptanceModel(num_sources * self.max_rank, device=device)
         self.memory = memory
-        known = _LEARNED.get(memory[0], {}).get(memory[1]) if memory is not None else None
+        known = memory_of(memory[0]).acceptance.get(memory[1]) if memory is not None else None
         self.carried = known is not None and known[0].shape == self.acceptance.hits.shape
         if self.carried:
             self.acceptance.carry(*known, self.carried_trials)
         self.mandatory_sources = tuple(mandatory_sources)
         self.host_seconds = 0.0  # moving average of the host work per step
-        self._last = None  # (wall clock, forward seconds) at the previous choice
+        self._last = None  # (clock, forward seconds) at the previous step's start
         self.steps = 0
         self.chosen = 0
 
@@ -255,12 +259,12 @@ class CostAwareBudget:
         """At the end of a call: keep its statistics for the owner's next call (see ``memory``)."""
         if self.memory is not None:
             owner, name = self.memory
-            _LEARNED.setdefault(owner, {})[name] = (self.acceptance.hits.clone(), self.acceptance.trials.clone())
+            memory_of(owner).acceptance[name] = (self.acceptance.hits.clone(), self.acceptance.trials.clone())
 
-    def observe(self, forward_seconds: float, tokens: int | None = None) -> None:
-        """After a step: the target's cumulated forward time and the tokens the last forward fed.
-        Updates the host time per step (wall clock minus forward) and the forward cost's level."""
-        now = time.perf_counter()
+    def observe(self, forward_seconds: float, tokens: int | None, now: float) -> None:
+        """Before a step: the target's cumulated forward time, the tokens the last forward fed and the clock's
+        reading (the policy's). Updates the host time per step (step time minus forward) and the forward cost's
+        level."""
         if self._last is not None:
             step_forward = forward_seconds - self._last[1]
             host = max(now - self._last[0] - step_forward, 0.0)

@@ -1,0 +1,89 @@
+"""What the batch policy and its node budget learn, kept by the object that learned it for its next calls.
+
+One :class:`PolicyMemory` per owner, made on first use (:func:`memory_of`) and kept on the owner itself, so it lives
+and dies with it and never crosses to another object:
+
+* the target **model** owns the memory of the strategies that draft from the model alone (``jacobi``,
+  ``jacobi_forcing``, ``lookahead``, ``prompt_lookup``), its measured forward-cost curves (:func:`~.budget.forward_cost`)
+  and the **clock** its calls are timed with;
+* a **drafter** owns what the policy and the node budget learn of it (``speculative``), per target model
+  (:func:`target_key`): a drafter shared by a model and its cost twin learns each one's step times apart.
+
+Inside a memory, entries are keyed by what must match for them to carry over: the strategy, device, dtype, shapes
+and acceptance rule (:func:`acceptance_rule`); a call with another key starts afresh. A copy of the owner (pickle,
+``copy.deepcopy``, a drafter's ``copy_to``) starts with an empty memory of its own.
+
+What it deliberately does not know
+    What the entries mean: :class:`~.rule.BatchPolicy` and :class:`~.budget.CostAwareBudget` write and read them.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from .times import Clock
+
+__all__ = ["PolicyMemory", "memory_of", "target_key", "acceptance_rule"]
+
+
+class PolicyMemory:
+    """What one owner (a model or a drafter) learned in its calls, and the clock its calls are timed with.
+
+    Attributes:
+        clock: read by the batch policy (step times), its node budget (host time per step) and
+            :func:`~.budget.forward_cost` (the forward-cost probe) of calls on this model (``time.perf_counter``;
+            set a fake one to run a model's calls on a clock of your own). A drafter's is not read: a call is timed
+            by its target model's clock.
+        policy: per key, the measurements of the owner's last :class:`~.rule.BatchPolicy` under it.
+        acceptance: per name, the acceptance counts of the owner's last :class:`~.budget.CostAwareBudget`.
+        forward_costs: a model's measured forward-cost points, per probe (device, dtype, sizes).
+        token: names the owner in other owners' keys (:func:`target_key`).
+    """
+
+    def __init__(self, clock: Clock | None = None):
+        self.clock: Clock = clock if clock is not None else time.perf_counter
+        self.policy: dict = {}
+        self.acceptance: dict = {}
+        self.forward_costs: dict = {}
+        self.token = uuid.uuid4().hex
+
+    def forget(self) -> None:
+        """Drop everything learned (the clock stays)."""
+        self.policy.clear()
+        self.acceptance.clear()
+        self.forward_costs.clear()
+
+    def __reduce__(self):
+        # a copy of the owner (pickle, deepcopy, torch.save) is another object: it starts afresh, on the wall clock
+        return PolicyMemory, ()
+
+    def __repr__(self) -> str:
+        return (f"PolicyMemory(policy entries={len(self.policy)}, acceptance entries={len(self.acceptance)}, "
+                f"forward costs={len(self.forward_costs)})")
+
+
+def memory_of(owner) -> PolicyMemory:
+    """``owner``'s :class:`PolicyMemory` (a model, a drafter: any object with a ``__dict__``), made and set on it on
+    first use."""
+    memory = vars(owner).get("_hfpd_policy_memory")
+    if memory is None:
+        memory = PolicyMemory()
+        owner._hfpd_policy_memory = memory
+    return memory
+
+
+def target_key(model) -> str:
+    """A token naming one target model instance in the keys of a drafter's memory (kept in the model's memory: an
+    ``id`` could be reused by a later model)."""
+    return memory_of(model).token
+
+
+def acceptance_rule(generation_config, logits_processor) -> tuple:
+    """What decides how much of a tree is accepted besides the text: greedy or sampled, and the processors with their
+    scalar settings (a temperature, a top-k, a repetition penalty). Calls that differ in it do not share measurements:
+    the same drafter that commits five tokens per step greedily commits one or two at temperature 0.8."""
+    processors = tuple(
+        (type(p).__name__, tuple(sorted((k, v) for k, v in vars(p).items() if isinstance(v, (bool, int, float, str)))))
+        for p in (logits_processor or ()))
+    return bool(generation_config.do_sample), processors

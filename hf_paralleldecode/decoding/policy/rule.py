@@ -1,0 +1,426 @@
+"""The rule: each step, the shape the whole batch feeds, from measured committed tokens per second.
+
+Why
+    What pays depends on the batch and the device: at batch 1 a wide tree with context matches is nearly free (a
+    forward of 21 tokens costs about what one token costs), while at batch 16 on a CPU the same tree costs 16 x 21
+    tokens plus a drafter forward over 16 rows and the host work of 16 trees, and a short chain, or no speculation
+    at all, commits more tokens per second. No fixed setting is right for every batch, every model and every text.
+
+The rule
+    Each step :class:`BatchPolicy` picks the allowed shape (:mod:`.shapes`) with the highest predicted rate for the
+    ``b`` active rows::
+
+        rate(shape) = b * tokens(shape) / seconds(shape, b)
+
+    * ``tokens(shape)``, committed tokens per row and step, is compared *paired*: on every step of the configured
+      tree, the tokens each chain would have committed are read off the same verification
+      (:func:`~.shapes.first_child_prefix`). A chain's tokens are the tree's times the ratio of these sums, so
+      shapes are compared on the same text; a plain step commits exactly one token. Without any step of the
+      configured tree (a token cap excludes it), shapes are compared on their own steps.
+    * ``seconds(shape, b)``, the wall time of a step, is measured per shape and per batch-size bucket
+      (:class:`~.times.StepTimes`). A shape is run ``min_samples`` times in a bucket before its time is trusted: the
+      configured tree first (once: the paired counts do not depend on the batch size), then the plain step, then
+      any shape only while its tokens over a floor of its time (:meth:`~.times.StepTimes.floor`) beat the best rate
+      measured in the bucket (with the margin below): a good tree at batch 1 is not left to measure chains that
+      cannot catch up, and a tree that lost at batch 16 is not tried at batch 32. In a bucket a shrinking batch
+      passes through, nothing new is measured. A call's first step with a drafter forward (the drafter reads the
+      whole prompt then) is not timed once the shape has its samples.
+    * Revisits. While another shape is faster, the configured tree is revisited (it feeds the paired counts, and the
+      text may change) at doubling gaps (``explore_every`` steps, then twice that, up to ``max_gap``) and only when
+      a revisit's predicted loss, its time minus the time the best shape takes to commit as many tokens, is covered
+      by an exploration budget: ``explore_share`` of the time of the steps since the last visit. The revisit then
+      pays what it took, not its estimate: a drafter that reads the whole prompt on the call's first drafting step,
+      or catches up on the tokens committed since its last forward, makes a revisit cost several tree steps, and the
+      next one waits until the steps away from the tree have paid for it. Until the tree has
+      three steps in the bucket (its time may still hold a warm-up step) the gaps alone decide, if its floor leaves it
+      a chance. A tree that
+      loses a little is revisited every few dozen steps, one that loses a step's worth of time at a large batch
+      rarely. A tree that would win by ``decisive`` (2x) at the fastest step it ever took in the bucket is revisited
+      at its gaps whatever the budget, and a step much faster than a shape's estimate (``stale``: 1.5x) replaces its
+      window: times measured while another process ran do not lock a shape out. The gap, the budget and the steps
+      since the last visit carry over to the next call, like the measurements: a server's short requests do not
+      each pay for a revisit.
+    * The tail. A shape's rate is scaled by :meth:`BatchPolicy.tail_factor` (:mod:`.tail`), predicted from the
+      spread of its tokens per row-step (paired, like the tokens), the rows' remaining new tokens and the shape's
+      step times at fewer rows.
+
+    A chain must be predicted ``tree_margin`` (5%) faster than the configured tree to replace it: its paired tokens
+    flatter it a little. From ``margin_rows`` active rows on, a shape must be predicted ``margin`` faster than the
+    plain step: rows that speculate fall out of step, and the tail is predicted from a model, while the plain step's
+    cost is certain. The constants are one :class:`~.tuning.PolicyTuning`.
+
+    Measurements carry over to the next call of the same owner (the drafter, or the model) with the same device,
+    dtype and shapes (:mod:`.memory`), so a server's first call pays the exploration once.
+
+Caps a user sets
+    ``tree_budget`` caps the configured tree (so every shape); ``max_step_tokens`` caps the tokens one verification
+    forward feeds for the whole batch (rows x nodes per row, the root included), a latency budget per step: shapes
+    over it are not used at that batch size (the plain step always is).
+
+Lossless
+    The choice uses only earlier steps, never this step's drafts or draws: greedy output stays the model's own and
+    sampled output keeps stock sampling's distribution.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from . import tail
+from .memory import acceptance_rule, memory_of, target_key
+from .shapes import Shape, first_child_prefix, path_prefix
+from .times import Clock, StepTimes, bucket
+from .tuning import PolicyTuning
+
+__all__ = ["BatchPolicy", "batch_policy", "check_policy_settings"]
+
+
+class BatchPolicy:
+    """Chooses each step's :class:`~.shapes.Shape` for the batch (module docstring); one per ``generate`` call.
+
+    ``memory``: ``(owner, key)``; the measurements start from the owner's last call under ``key`` (the owner, a
+    drafter or a model, keeps them in its :class:`~.memory.PolicyMemory`) and :meth:`finish` stores this call's.
+    ``max_step_tokens``: tokens one forward may feed for the whole batch (``None``: no cap). ``nodes``: a
+    :class:`~.budget.CostAwareBudget` the policy drives (``cost_aware``). ``tuning``: the rule's constants.
+    ``clock``: what step times are read from (``time.perf_counter``).
+    """
+
+    def __init__(self, shapes: list[Shape], explore_every: int = 16, memory: tuple | None = None,
+                 max_step_tokens: int | None = None, nodes=None, tuning: PolicyTuning | None = None,
+                 clock: Clock | None = None):
+        if not shapes:
+            raise ValueError("BatchPolicy needs at least one shape.")
+        self.shapes = list(shapes)
+        self.tuning = tuning if tuning is not None else PolicyTuning()
+        self.clock = clock if clock is not None else time.perf_counter
+        self.nodes = nodes  # a budget.CostAwareBudget: which nodes of a row's tree are worth feeding (cost_aware)
+        self.explore_every = explore_every
+        self.max_step_tokens = max_step_tokens
+        self.memory = memory
+        known = memory_of(memory[0]).policy.get(memory[1]) if memory is not None else None
+        n = len(self.shapes)
+        prior = self.tuning.prior
+        # per shape: decayed sums of committed tokens over the configured tree's steps (the others': what they
+        # would have committed on those steps); own: per shape, decayed [committed tokens, row-steps] of its own
+        # steps; the step times per (bucket, shape): self.steps
+        # (the paired sums start from a prior worth one row-step in which the configured tree commits its whole depth
+        # + 1 and every other shape one token: one unlucky first step does not lock the configured tree out, and the
+        # others need real evidence to win)
+        self.tokens = list(known["tokens"]) if known else [prior * (self.shapes[0].depth + 1)] + [prior] * (n - 1)
+        # the same steps' decayed sums of squared tokens per row and their decayed row-steps (the prior's included):
+        # each shape's spread of tokens per row-step, from which its tail is predicted (see tail_factor)
+        self.squares = list(known["squares"]) if known else [t * t / prior for t in self.tokens]
+        self.paired_rows = known["paired_rows"] if known else prior
+        self.remaining = None  # the active rows' mean remaining new tokens (start_step)
+        self.own = [list(v) for v in known["own"]] if known else [[0.0, 0.0] for _ in range(n)]
+        self.steps = StepTimes(self.shapes, self.tuning, known)
+        self.plain = self.steps.plain  # the plain step's index (None: not offered)
+        # revisits of a losing configured tree: steps since its last visit, the gap to the next one (doubles while
+        # it keeps losing) and the exploration budget in seconds (see choose); carried over like the measurements
+        self.since_tree, self.gap, self.budget = known["revisits"] if known else (0, explore_every, 0.0)
+        self.used = [0] * n
+        self.row_steps = [0] * n  # active rows of the steps of each shape (the fraction of rows that speculated)
+        self._pending = None  # (shape index, bucket, start time) of the step being measured
+        self._charge = None  # the step being measured is a revisit paid from the budget: its estimated time
+        self._drafted = False  # whether a step of this call ran the drafter (see close)
+        self._done = False
+
+    bucket = staticmethod(bucket)
+
+    @property
+    def times(self) -> dict:
+        """Per (bucket, shape): the shape's last step times there (:class:`~.times.StepTimes`)."""
+        return self.steps.times
+
+    @times.setter
+    def times(self, value: dict) -> None:
+        self.steps.times = value
+
+    @property
+    def best_seen(self) -> dict:
+        """Per (bucket, shape): the fastest step the shape ever took there."""
+        return self.steps.best_seen
+
+    def seconds(self, bucket: int, shape: int) -> float | None:
+        """:meth:`~.times.StepTimes.seconds`."""
+        return self.steps.seconds(bucket, shape)
+
+    def estimate(self, bucket: int, shape: int, inherited: bool | None = None) -> float | None:
+        """:meth:`~.times.StepTimes.estimate`."""
+        return self.steps.estimate(bucket, shape, inherited)
+
+    def floor(self, bucket: int, shape: int) -> float:
+        """:meth:`~.times.StepTimes.floor`."""
+        return self.steps.floor(bucket, shape)
+
+    def relative_tokens(self, shape: int) -> float:
+        """Tokens ``shape`` commits per row and step, relative to the configured tree (paired once it ran)."""
+        if self.own[0][1] > 0 or not any(o[1] > 0 for o in self.own):
+            return self.tokens[shape] / self.tokens[0]
+        # the tree never ran (a token cap keeps it out): every shape by its own steps, in tokens per row and step
+        # (one unit for all shapes, so the rates still compare)
+        if self.shapes[shape].plain:
+            return 1.0
+        own = self.own[shape]
+        return own[0] / own[1] if own[1] > 0 else 0.0
+
+    def threshold(self, bucket: int, rows: int, rates: dict) -> float:
+        """The rate a shape must be predicted to beat to be used: the best of ``rates`` (shape -> rate), and from
+        ``margin_rows`` rows on ``1 + margin`` times the plain step's."""
+        best = max(rates.values()) if rates else 0.0
+        if self.plain in rates and rows >= self.tuning.margin_rows:
+            best = max(best, (1 + self.tuning.margin) * rates[self.plain])
+        return best
+
+    def optimistic(self, bucket: int, shape: int) -> float:
+        """``shape``'s best possible rate in ``bucket``: its tokens over its floor (infinite: nothing known)."""
+        floor = self.steps.floor(bucket, shape)
+        return self.relative_tokens(shape) / floor if floor > 0 else float("inf")
+
+    def hopeful(self, bucket: int, rows: int, shape: int, rates: dict) -> bool:
+        """Whether ``shape`` could still beat ``rates`` in ``bucket`` (:meth:`optimistic` over :meth:`threshold`)."""
+        return self.optimistic(bucket, shape) > self.threshold(bucket, rows, rates)
+
+    def allowed(self, rows: int) -> list[int]:
+        """The shapes a step of ``rows`` active rows may use under ``max_step_tokens`` (the plain step always)."""
+        cap = self.max_step_tokens
+        return [i for i, s in enumerate(self.shapes) if s.plain or cap is None or rows * (s.budget + 1) <= cap]
+
+    def start_step(self, rows: int, forward_seconds: float, fed: int | None, remaining: float | None = None) -> int:
+        """Before a step: the node budget's timings (the target's cumulated forward seconds and the tokens of the
+        last forward, on this policy's clock), the active rows' mean remaining new tokens (``None``: unknown), then
+        :meth:`choose`."""
+        if self.nodes is not None:
+            self.nodes.observe(forward_seconds, fed, now=self.clock())
+        self.remaining = remaining
+        return self.choose(rows)
+
+    def tail_factor(self, bucket: int, rows: int, shape: int, full: float | None = None) -> float:
+        """The share of ``shape``'s per-step rate left over a whole static batch (:func:`~.tail.tail_factor`), from
+        the spread of its paired tokens per row-step and its step times at fewer rows. 1.0 for the plain step (every
+        row commits one token), for one row, and while nothing is known of the spread or the rows' remaining tokens.
+        ``full``: the shape's step time in ``bucket`` if the caller has it (:meth:`estimate`)."""
+        s = self.shapes[shape]
+        if s.plain or rows < 2 or not self.remaining or self.remaining <= 0:
+            return 1.0
+        mu = self.tokens[shape] / self.paired_rows
+        if self.own[0][1] == 0 or mu <= 0:  # no paired steps: nothing known of the spread
+            return 1.0
+        sigma = max(self.squares[shape] / self.paired_rows - mu * mu, 0.0) ** 0.5
+        full = self.steps.estimate(bucket, shape) if full is None else full
+        if full is None:
+            return 1.0
+        smaller = [self.steps.estimate(k, shape) for k in range(bucket)]
+        return tail.tail_factor(rows, self.remaining, mu, sigma, full, smaller)
+
+    def choose(self, rows: int) -> int:
+        """The shape (index into ``shapes``) of the next step of a batch of ``rows`` active rows."""
+        self.close()
+        tuning, steps = self.tuning, self.steps
+        charge = None  # a revisit paid from the budget: the step time its loss was reckoned with
+        b = bucket(rows)
+        allowed = self.allowed(rows)
+        inherited = steps.inherited(b)
+        # each allowed shape's step time and predicted rate, once per step (the measuring phase reads them too)
+        times = {i: steps.estimate(b, i, inherited) for i in allowed}
+        rate = {i: self.relative_tokens(i) / t * self.tail_factor(b, rows, i, t) for i, t in times.items()
+                if t is not None}
+        # (one shape: nothing to decide)
+        young = allowed[0] if len(allowed) == 1 else self._young(b, rows, allowed, inherited, rate)
+        if young is not None:
+            pick = young
+        else:
+            best = max(rate, key=rate.get)
+            if best not in (0, self.plain) and 0 in rate and rate[best] < (1 + tuning.tree_margin) * rate[0]:
+                best = 0  # a close race: a chain's paired tokens flatter it a little, the tree's are its own
+            if self.plain in rate and rate[best] < self.threshold(b, rows, {self.plain: rate[self.plain]}):
+                best = self.plain  # a small predicted gain at a large batch: the plain step's cost is certain
+            if best == 0:
+                self.gap, self.budget = self.explore_every, 0.0
+            # revisit a losing tree (fresh paired counts) once the gap has passed and the budget covers the loss: its
+            # time minus the time the best shape takes to commit its tokens; each revisit doubles the gap
+            # (a time resting on fewer than three steps may hold a warm-up step: the tree is then revisited at its
+            # gaps alone, or one slow step could lock it out for good, unless even its floor loses)
+            revisit = False
+            if best != 0 and 0 in rate and self.since_tree >= self.gap:
+                others = {i: r for i, r in rate.items() if i != 0}
+                if len(steps.times.get((b, 0), ())) < 3 and self.hopeful(b, rows, 0, others):
+                    revisit = True
+                elif self.relative_tokens(0) / (fast := steps.fastest(b, 0)) * self.tail_factor(b, rows, 0, fast) \
+                        >= tuning.decisive * self.threshold(b, rows, others):
+                    revisit = True  # it has been fast enough to win decisively here: re-measure it at its gaps
+                else:
+                    loss = times[0] * (1.0 - rate[0] / rate[best])
+                    revisit = self.budget >= loss
+                    if revisit:
+                        self.budget -= loss
+                        charge = times[0]  # what close() charges beyond: the revisit's measured time is what it cost
+                if revisit:
+                    self.gap = min(2 * self.gap, tuning.max_gap)
+            pick = 0 if revisit else best
+        self._charge = charge
+        self.since_tree = 0 if pick == 0 else self.since_tree + 1
+        self.used[pick] += 1
+        self.row_steps[pick] += int(rows)
+        self._pending = (pick, b, self.clock())
+        self._done = False
+        return pick
+
+    def _young(self, b: int, rows: int, allowed: list[int], inherited: bool, rate: dict) -> int | None:
+        """The shape to measure next in bucket ``b``, or ``None`` when every shape worth measuring is measured.
+
+        The configured tree comes first, once (its steps feed the paired counts, which do not depend on the batch
+        size), then the plain step of the bucket (the cheapest step there is). Any other shape is measured only
+        while it could still win (from ``margin_rows`` rows the narrowest such shape first, whose time then
+        floors the wider ones; below, the most promising): its tokens over its floor (the plain step's time in this bucket, its own time
+        in a smaller bucket carried forward, its ratio to the plain step there) must beat the best rate measured in the
+        bucket, with the margin from ``margin_rows`` rows on (:meth:`threshold`). A good tree at batch 1 is not
+        left to measure chains that cannot catch up, and a tree that lost at batch 16 is not tried at batch 32.
+
+        In a bucket a batch shrank into (``inherited``), nothing new is measured: a shape timed in the larger
+        bucket is known by that time (:meth:`estimate`), one that was not worth timing there is not timed here.
+        ``rate``: the predicted rates :meth:`choose` computed this step (every measured shape has one)."""
+        steps = self.steps
+
+        def young(i):
+            return not steps.trusted(b, i) and not (inherited and steps.estimate(b, i, True) is not None)
+        paired = 0 in allowed
+        if paired and self.own[0][1] == 0:  # the tree has never run
+            return 0
+        plain = self.plain if self.plain in allowed else None
+        if plain is not None and young(plain):
+            return plain
+        rest = [i for i in allowed if young(i)] if not inherited else []
+        if not paired:  # no paired counts: a chain is known by its own steps only
+            return rest[0] if rest else None
+        measured = [i for i in allowed if not young(i)]
+        if not measured:
+            return rest[0] if rest else None
+        rates = {i: rate[i] for i in measured}
+        bar = self.threshold(b, rows, rates)
+        optimistic = {i: self.optimistic(b, i) for i in rest}  # (each floor once)
+        hopeful = [i for i in rest if optimistic[i] > bar]
+        if not hopeful:
+            return None
+        if rows >= self.tuning.margin_rows:  # a large batch measures the cheapest hopeful shape first: its time
+            return min(hopeful, key=lambda i: self.shapes[i].budget)  # floors the wider ones (StepTimes.floor)
+        return max(hopeful, key=optimistic.get)
+
+    @property
+    def index(self) -> int:
+        """The index of the step's shape (0, the configured one, before any :meth:`choose`)."""
+        return self._pending[0] if self._pending is not None else 0
+
+    @property
+    def current(self) -> Shape:
+        """The shape of the step being run (the configured one before any :meth:`choose`)."""
+        return self.shapes[self.index]
+
+    def observe(self, tree, verdict) -> None:
+        """After the step's verification: the tokens it committed and, on a step of the configured tree, what every
+        other shape would have committed on it (:func:`~.shapes.first_child_prefix`)."""
+        if self.nodes is not None:
+            self.nodes.learn(tree, verdict)
+        if self._pending is None:
+            return
+        decay = self.tuning.decay
+        pick = self._pending[0]
+        host = getattr(verdict, "host", None)
+        rows = len(host[1]) if host is not None else verdict.num_accepted.numel()
+        total = sum(host[1]) + rows if host is not None else float((verdict.num_accepted + 1).sum())
+        own = self.own[pick]
+        own[0] = decay * own[0] + total
+        own[1] = decay * own[1] + rows
+        if pick == 0:  # paired counts
+            committed = verdict.num_accepted + 1
+            prefix = first_child_prefix(tree, verdict)
+            context = None  # the first context match's path (tree.context_path), for context chains
+            self.tokens[0] = decay * self.tokens[0] + float(committed.sum())
+            self.squares[0] = decay * self.squares[0] + float((committed * committed).sum())
+            self.paired_rows = decay * self.paired_rows + committed.numel()
+            for i, shape in enumerate(self.shapes[1:], 1):
+                if not shape.drafter:
+                    if context is None:
+                        context = (path_prefix(verdict, tree.context_path) if tree.context_path is not None
+                                   else torch.zeros_like(prefix))
+                    would = context.clamp(max=shape.depth) + 1
+                else:
+                    would = prefix.clamp(max=shape.depth) + 1
+                self.tokens[i] = decay * self.tokens[i] + float(would.sum())
+                self.squares[i] = decay * self.squares[i] + float((would * would).sum())
+        self._done = True
+
+    def close(self) -> None:
+        """End the step being measured: its time runs from :meth:`choose` to here (the next step's start)."""
+        if self._pending is None or not self._done:
+            return
+        pick, b, start = self._pending
+        seconds = max(self.clock() - start, 1e-9)
+        shape = self.shapes[pick]
+        # the call's first step with a drafter forward also ran the drafter over the whole prompt, a cost paid once
+        # per call (StepTimes.record leaves it out once the shape has its samples)
+        drafts = shape.drafter and not shape.plain
+        setup = drafts and not self._drafted
+        self._drafted = self._drafted or drafts
+        self.steps.record(b, pick, seconds, setup=setup)
+        if pick != 0:  # the exploration budget grows with the time spent away from the configured tree
+            self.budget += self.tuning.explore_share * seconds
+        elif self._charge is not None:
+            # a revisit's loss was reckoned with the tree's estimated time; it pays what the step took: a drafter
+            # reading the whole prompt (the call's first drafting step, left out of the step times) or catching up
+            # on the tokens committed since its last forward is part of what a revisit costs (the budget may go
+            # below zero; the steps away from the tree refill it)
+            self.budget -= seconds - self._charge
+            self._charge = None
+        self._done = False
+
+    def finish(self) -> None:
+        """At the end of the call: close the last step and keep the measurements for the owner's next call."""
+        self.close()
+        if self.nodes is not None:
+            self.nodes.remember()
+        if self.memory is not None:
+            owner, key = self.memory
+            memory_of(owner).policy[key] = {
+                "tokens": list(self.tokens), "own": [list(o) for o in self.own], **self.steps.state(),
+                "squares": list(self.squares), "paired_rows": self.paired_rows,
+                "revisits": (self.since_tree, self.gap, self.budget)}
+
+    @property
+    def stats(self) -> dict:
+        total = max(sum(self.row_steps), 1)
+        plain = sum(n for s, n in zip(self.shapes, self.row_steps) if s.plain)
+        nodes = {} if self.nodes is None else self.nodes.stats
+        return {**nodes, "shape_steps": {s.label: n for s, n in zip(self.shapes, self.used) if n},
+                "shape_row_steps": {s.label: n for s, n in zip(self.shapes, self.row_steps) if n},
+                "speculated_row_share": 1.0 - plain / total}
+
+
+def check_policy_settings(adaptive, max_step_tokens) -> None:
+    """``adaptive`` (True / False) and ``max_step_tokens`` (``None`` or an integer >= 1, with ``adaptive`` only)."""
+    from ...engine.run import check_bool_setting, check_int_setting
+
+    check_bool_setting("adaptive", adaptive)
+    if max_step_tokens is not None:
+        check_int_setting("max_step_tokens", max_step_tokens, 1)
+        if not adaptive:
+            raise ValueError("`max_step_tokens` is applied by the batch policy: pass adaptive=True (the default) "
+                             "with it, or drop it.")
+
+
+def batch_policy(run, shapes: list[Shape], owner, adaptive: bool, max_step_tokens: int | None = None, nodes=None):
+    """The :class:`BatchPolicy` of a call: ``shapes`` when ``adaptive``, else the configured one only; ``nodes``: a
+    :class:`~.budget.CostAwareBudget` that cuts each row's tree node by node (``cost_aware=True``). ``None`` when
+    there is nothing to decide. Its measurements carry over per ``owner`` (a drafter, or the model), strategy,
+    device, dtype, shapes, acceptance rule (:func:`~.memory.acceptance_rule`) and target model
+    (:func:`~.memory.target_key`: a drafter shared by two models, a model and its cost twin say, learns each one's
+    cost curve and acceptance apart). Its steps are timed on the target model's clock (:class:`~.memory.PolicyMemory`)."""
+    if not adaptive and nodes is None:
+        return None
+    shapes = list(shapes) if adaptive else list(shapes[:1])
+    key = (run.name, str(run.rows.device), str(run.model.dtype), tuple(shapes),
+           acceptance_rule(run.generation_config, run.logits_processor), target_key(run.model))
+    return BatchPolicy(shapes, memory=(owner, key), max_step_tokens=max_step_tokens, nodes=nodes,
+                       clock=memory_of(run.model).clock)

@@ -1,0 +1,158 @@
+"""Step times: each shape's measured wall time per step and batch-size bucket, and what can be read off them.
+
+The clock
+    A step is timed on a :data:`Clock`, a callable giving seconds as a float: ``time.perf_counter`` unless the model's
+    memory (:class:`~.memory.PolicyMemory`) holds another, so a test runs the policy on a clock it advances itself.
+    A step's time runs from the policy's choice to the next one: the drafter, the verification forward and the host
+    work, hardly the text.
+
+Buckets
+    Times are kept per shape and per batch-size bucket (powers of two of the active rows: 1, 2-3, 4-7, ...): a step's
+    time depends on the shape, the batch and the device. A shape is trusted in a bucket after
+    ``min_samples`` steps there (:class:`~.tuning.PolicyTuning`); its estimate is the mean of its last ``window``
+    steps without the slowest one once there are three, and a step much faster than the estimate (``stale``)
+    replaces the window. A batch that shrinks passes through smaller buckets, where a shape's time in a larger bucket
+    stands in (fewer rows are never slower), and a shape not yet measured in a bucket is bounded from below by what
+    is known (:meth:`StepTimes.floor`).
+
+What it deliberately does not know
+    Tokens, rates, the rule (:mod:`.rule`); which shape a step ran (the rule tells :meth:`StepTimes.record`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from .shapes import Shape
+from .tuning import PolicyTuning
+
+__all__ = ["Clock", "StepTimes", "bucket"]
+
+#: a clock: seconds from any origin, as a float (``time.perf_counter``, or a fake one in tests)
+Clock = Callable[[], float]
+
+
+def bucket(rows: int) -> int:
+    """The batch-size bucket of ``rows`` active rows: 0 for 1, 1 for 2-3, 2 for 4-7, 3 for 8-15, ..."""
+    return max(int(rows), 1).bit_length() - 1
+
+
+class StepTimes:
+    """Per (bucket, shape index): the last step times (``times``) and the fastest step ever taken (``best_seen``).
+
+    ``known``: the state a previous call left (:meth:`state`), to start from.
+    """
+
+    def __init__(self, shapes: list[Shape], tuning: PolicyTuning, known: dict | None = None):
+        self.shapes = shapes
+        self.plain = next((i for i, s in enumerate(shapes) if s.plain), None)  # the plain step's index
+        self.tuning = tuning
+        self.times: dict[tuple[int, int], list[float]] = (
+            {k: list(v) for k, v in known["times"].items()} if known else {})
+        self.best_seen: dict[tuple[int, int], float] = dict(known.get("best_seen", {})) if known else {}
+
+    def state(self) -> dict:
+        """What a later call starts from (``known``)."""
+        return {"times": {k: list(v) for k, v in self.times.items()}, "best_seen": dict(self.best_seen)}
+
+    def record(self, bucket: int, shape: int, seconds: float, setup: bool = False) -> None:
+        """A step of ``shape`` in ``bucket`` took ``seconds``. ``setup``: the call's first step with a drafter forward
+        (the drafter read the whole prompt too, a cost paid once per call): not recorded once the shape is trusted
+        here (a tree revisited once per call would otherwise be timed only on such steps, look slower than it is and
+        stay locked out)."""
+        trusted = self.trusted(bucket, shape)
+        if setup and trusted:
+            return
+        t = self.times.setdefault((bucket, shape), [])
+        if trusted and seconds * self.tuning.stale < self.seconds(bucket, shape):
+            t.clear()  # the window's steps ran under conditions that have passed
+        t.append(seconds)
+        self.best_seen[(bucket, shape)] = min(self.best_seen.get((bucket, shape), seconds), seconds)
+        del t[: -self.tuning.window]
+
+    def seconds(self, bucket: int, shape: int) -> float | None:
+        """The step time of ``shape`` in ``bucket``: the mean of its last ``window`` steps there without the
+        slowest one once there are three (a step slowed by a first call's warm-up or another process does not
+        stick, while a shape whose steps are often slow, a drafter catching up, is charged for them), ``None``
+        unmeasured."""
+        samples = self.times.get((bucket, shape))
+        if not samples:
+            return None
+        kept = sorted(samples)[:-1] if len(samples) >= 3 else samples
+        return sum(kept) / len(kept)
+
+    def fastest(self, bucket: int, shape: int) -> float:
+        """The fastest step ``shape`` ever took in ``bucket`` (its window's included; infinite: none)."""
+        samples = self.times.get((bucket, shape), ())
+        return min([self.best_seen.get((bucket, shape), float("inf")), *samples])
+
+    def trusted(self, bucket: int, shape: int) -> bool:
+        """Whether ``shape`` has run ``min_samples`` steps in ``bucket``."""
+        return len(self.times.get((bucket, shape), ())) >= self.tuning.min_samples
+
+    def inherited(self, bucket: int) -> bool:
+        """Whether a larger bucket was explored (its plain step measured): a batch that shrank into ``bucket``."""
+        plain = self.plain
+        return plain is not None and any(self.trusted(k, plain) for k, i in self.times if k > bucket and i == plain)
+
+    def estimate(self, bucket: int, shape: int, inherited: bool | None = None) -> float | None:
+        """The step time the choice uses: the shape's own in ``bucket`` once trusted; before that, in a bucket a
+        batch shrank into, the shape's time in a larger bucket (fewer rows are never slower: an upper bound, so the
+        batch keeps its choice instead of measuring every shape again in each bucket its finishing rows pass
+        through), or its one step here if that was faster; else what there is of its own (``None``: unmeasured).
+        ``inherited``: :meth:`inherited`, if known."""
+        own = self.seconds(bucket, shape)
+        if not self.trusted(bucket, shape) and (self.inherited(bucket) if inherited is None else inherited):
+            larger = [self.seconds(k, i) for k, i in self.times if k > bucket and i == shape and self.trusted(k, i)]
+            if larger:  # (a first step here counts if it was faster: a slow one may be a warm-up)
+                return min(larger + ([own] if own is not None else []))
+        return own
+
+    def ratio(self, bucket: int, shape: int) -> float | None:
+        """``shape``'s step time over the plain step's in ``bucket``, both trusted (``None``: not known)."""
+        if self.plain is None or not (self.trusted(bucket, shape) and self.trusted(bucket, self.plain)):
+            return None
+        return self.seconds(bucket, shape) / self.seconds(bucket, self.plain)
+
+    def floor(self, bucket: int, shape: int) -> float:
+        """What ``shape``'s step time in ``bucket`` is expected to be at least, before it is measured there (0.0:
+        nothing known), from smaller buckets and the plain step's time here. A step's time grows with the rows it
+        feeds as a convex curve: flat while fixed costs dominate, then linear in the tokens fed (the forward's cost
+        by tokens, the drafter's, the host's per row). On such a curve, from one batch size to twice it:
+
+        * the time grows by a factor that does not shrink with the batch, so the shape's own time in the largest
+          smaller bucket, carried forward by its growth per doubling between the two largest, bounds it;
+        * a shape feeding ``n`` tokens per row leaves the flat part before the plain step does, so its ratio to
+          the plain step does not shrink: the plain step's time here times that ratio in a smaller bucket bounds it.
+
+        The floor is the largest of these, of the shape's time at any smaller batch (more rows are never faster), of
+        the plain step's time here, and of what the measured shapes here that draft alike and feed fewer nodes say:
+        more nodes are never faster, and between shapes of one kind (chains) the time per node does not shrink on
+        the convex curve (a chain of 2 and a chain of 4 that took 1.0 and 1.5 s at 64 rows put the chain of 8 at
+        2.5 s at least; a tree's host work differs from a chain's, so chains bound a tree only by their time). On this CPU (JF model) the configured
+        tree took 36, 56, 89, 174 and 325 ms at 4, 8, 16, 32 and 64 rows: from 4 and 8 rows the floor at 16 is
+        88 ms, and from 16 and 32 rows the floor at 64 is 340 ms (the floor rests on that curve; measured times
+        scatter by a few percent). A new bucket is then not spent measuring shapes that cannot win there."""
+        plain = self.seconds(bucket, self.plain) if self.plain is not None and self.trusted(bucket, self.plain) else None
+        smaller = [k for k in range(bucket) if self.trusted(k, shape)]
+        out = plain or 0.0
+        me = self.shapes[shape]
+        narrower = sorted((other.budget + 1, self.seconds(bucket, j), (other.width, other.context) == (me.width, me.context))
+                          for j, other in enumerate(self.shapes)
+                          if not other.plain and other.drafter == me.drafter and other.budget < me.budget
+                          and self.trusted(bucket, j))
+        alike = [(n, t) for n, t, same in narrower if same]
+        out = max([out] + [t for _, t, _ in narrower])  # more nodes are never faster
+        for (n1, t1), (n2, t2) in zip(alike, alike[1:]):  # shapes of one kind (chains): on a convex curve the time
+            out = max(out, t2 + (me.budget + 1 - n2) * max(t2 - t1, 0.0) / (n2 - n1))  # per node does not shrink
+        if smaller:
+            k1 = smaller[-1]
+            growth = 1.0
+            if len(smaller) > 1:
+                k0 = smaller[-2]
+                growth = max(1.0, self.seconds(k1, shape) / self.seconds(k0, shape)) ** (1.0 / (k1 - k0))
+            out = max([out, self.seconds(k1, shape) * growth ** (bucket - k1)] + [self.seconds(k, shape) for k in smaller])
+        ratios = [r for k in smaller if (r := self.ratio(k, shape)) is not None]
+        if plain is not None and ratios:
+            out = max(out, plain * ratios[-1])
+        return out

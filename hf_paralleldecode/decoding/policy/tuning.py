@@ -1,0 +1,83 @@
+"""The batch policy's tuning constants, in one typed object.
+
+The defaults are what the project measured (the JF model and the 1B cost twins on a CPU, the docs' tables); a
+test or a user passes another :class:`PolicyTuning` to :class:`~.rule.BatchPolicy` to see what a constant does.
+
+What it deliberately does not know
+    How they are used: :mod:`.rule` (the choice and the revisits), :mod:`.times` (the step times).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+__all__ = ["PolicyTuning"]
+
+
+@dataclass(frozen=True)
+class PolicyTuning:
+    """The constants of :class:`~.rule.BatchPolicy`, each field with its ``help``; checked on construction.
+
+    ``PolicyTuning(margin=0.3)`` keeps every other default.
+    """
+
+    decay: float = field(default=0.98, metadata={"help": (
+        "Decayed token sums: each new step scales the old ones by this (1.0: every step counts alike).")})
+    prior: float = field(default=1.0, metadata={"help": (
+        "Row-steps the prior of the paired token sums is worth: one in which the configured tree commits its whole "
+        "depth + 1 and every other shape one token, so one unlucky first step does not lock the tree out and the "
+        "others need real evidence to win.")})
+    min_samples: int = field(default=2, metadata={"help": (
+        "Steps of a shape in a batch-size bucket before its step time is trusted.")})
+    window: int = field(default=8, metadata={"help": (
+        "The last step times of a shape in a bucket that its estimate is made from (at least min_samples).")})
+    max_gap: int = field(default=256, metadata={"help": (
+        "The longest gap, in steps, between visits of a configured tree that keeps losing (explore_every doubles "
+        "up to it).")})
+    explore_share: float = field(default=0.01, metadata={"help": (
+        "The share of step time that revisits of a losing configured tree may lose (the exploration budget).")})
+    margin_rows: int = field(default=8, metadata={"help": (
+        "From this many active rows on, a shape must be predicted `margin` faster than the plain step to be used: "
+        "rows that speculate fall out of step, and a batch that keeps its slowest rows runs its last steps nearly "
+        "empty, a cost no per-step rate sees.")})
+    margin: float = field(default=0.15, metadata={"help": (
+        "How much faster than the plain step a shape must be predicted from `margin_rows` rows on (0.15: 15%).")})
+    tree_margin: float = field(default=0.05, metadata={"help": (
+        "How much faster than the configured tree a chain must be predicted to replace it: its tokens are read off "
+        "the tree's steps (the accepted path along first children), which flatters it a little (base model's 1B "
+        "twin, batch 1: 0.65 of the tree's tokens predicted, 0.61 run alone).")})
+    decisive: float = field(default=2.0, metadata={"help": (
+        "A losing configured tree that would win by this factor at the fastest step time it ever took in the bucket "
+        "is revisited at its gaps without the budget: only a time measured under worse conditions (another "
+        "process's burst) keeps it out.")})
+    stale: float = field(default=1.5, metadata={"help": (
+        "A step this many times faster than its shape's estimate replaces the shape's window in its bucket: the "
+        "window was measured under conditions that have passed (another process's burst, a warm-up).")})
+
+    def __post_init__(self):
+        def bad(name, need):
+            raise ValueError(f"PolicyTuning.{name} must be {need}, got {getattr(self, name)!r}: "
+                             f"{self.help(name)} (default {PolicyTuning.__dataclass_fields__[name].default!r}).")
+
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.type in (int, "int") and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                bad(f.name, "an integer >= 1")
+            if f.type in (float, "float") and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                               or not value >= 0):
+                bad(f.name, "a number >= 0")
+        if not 0 < self.decay <= 1:
+            bad("decay", "in (0, 1]")
+        if self.prior <= 0:
+            bad("prior", "> 0")
+        if self.window < self.min_samples:
+            bad("window", f"at least min_samples ({self.min_samples}), or no shape's time is ever trusted")
+        if self.decisive < 1:
+            bad("decisive", ">= 1")
+        if self.stale < 1:
+            bad("stale", ">= 1")
+
+    @classmethod
+    def help(cls, name: str) -> str:
+        """The ``help`` of field ``name``."""
+        return cls.__dataclass_fields__[name].metadata["help"]

@@ -1,0 +1,154 @@
+"""The vLLM proposers (``hf_paralleldecode.serving.vllm``) driven as vLLM's ``custom_class`` hook drives them: per
+step, the tokens sampled per batch slot, each slot's token count and a ``[slots, max_model_len]`` token array; slots
+reordered as requests finish, are preempted and join. vLLM itself runs them in ``scripts/vllm-check.sh``."""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from hf_paralleldecode.decoding.prompt_lookup import NgramIndex
+from hf_paralleldecode.serving.requests import RequestStates
+from hf_paralleldecode.serving.vllm import ContextProposer
+
+
+def _config(k=6, max_model_len=256):
+    return SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=k),
+                           model_config=SimpleNamespace(max_model_len=max_model_len, model="unused"))
+
+
+def _stream(seed: int, length: int) -> list[int]:
+    """A token stream that repeats itself (what context n-grams find): phrases drawn from a small set."""
+    rng = random.Random(seed)
+    phrases = [[rng.randrange(50) for _ in range(rng.randrange(2, 6))] for _ in range(6)]
+    out = []
+    while len(out) < length:
+        out += rng.choice(phrases) if rng.random() < 0.8 else [rng.randrange(50)]
+    return out[:length]
+
+
+class FakeEngine:
+    """Requests as vLLM's batch holds them: a slot each, reshuffled every step; a preempted request goes back to the
+    queue with its tokens and is re-admitted later; a finished one leaves. Each step commits 1-4 tokens of every
+    running request's stream; a request admitted this step is still in prefill (nothing sampled: no draft)."""
+
+    def __init__(self, proposer, streams: dict[str, list[int]], prompt_len: int = 12, seed: int = 0,
+                 preempt: float = 0.1):
+        self.proposer, self.streams, self.preempt = proposer, streams, preempt
+        self.rng = random.Random(seed)
+        self.count = dict.fromkeys(streams, prompt_len)
+        self.waiting = list(streams)
+        self.running: list[str] = []
+        self.fresh: set[str] = set()
+
+    def step(self) -> list[tuple[list[int], list[int], bool]]:
+        """Per slot: the request's tokens, the draft proposed for it, whether it sampled a token this step."""
+        for _ in range(2):
+            if self.waiting:
+                rid = self.waiting.pop(0)
+                self.running.append(rid)
+                self.fresh.add(rid)
+        if len(self.running) > 1 and self.rng.random() < self.preempt:
+            self.waiting.append(self.running.pop(self.rng.randrange(len(self.running))))
+        self.rng.shuffle(self.running)
+        slots = len(self.running) + 2  # spare slots hold stale rows, as vLLM's buffers do
+        tokens = np.full((slots, self.proposer.max_model_len), 7, dtype=np.int32)
+        counts = np.zeros(slots, dtype=np.int32)
+        sampled = []
+        for slot, rid in enumerate(self.running):
+            if rid in self.fresh:  # its prefill: nothing sampled yet
+                sampled.append([])
+                self.fresh.discard(rid)
+            else:
+                n = min(self.count[rid] + self.rng.randrange(1, 5), len(self.streams[rid]))
+                sampled.append(self.streams[rid][self.count[rid]:n])
+                self.count[rid] = n
+            tokens[slot, : self.count[rid]] = self.streams[rid][: self.count[rid]]
+            counts[slot] = self.count[rid]
+        drafts = self.proposer.propose(sampled, counts, tokens, slot_mappings=None)
+        assert len(drafts) == len(sampled)
+        rows = [(tokens[i, : counts[i]].tolist(), drafts[i], bool(sampled[i])) for i in range(len(sampled))]
+        self.running = [r for r in self.running if self.count[r] < len(self.streams[r])]
+        return rows
+
+    def run(self, max_steps: int = 500) -> list:
+        out = []
+        while (self.running or self.waiting) and len(out) < max_steps:
+            out.extend(self.step())
+        return out
+
+
+def _stateless(tokens: list[int], proposer) -> list[int]:
+    """What the proposer must draft for these tokens: an index built afresh from them."""
+    k = min(proposer.k, proposer.max_model_len - len(tokens))
+    return NgramIndex(tokens, proposer.ngram_size).chain(k, proposer.max_matches)
+
+
+def test_context_proposer_keeps_each_requests_state_across_reordering_preemption_and_finish():
+    proposer = ContextProposer(_config())
+    streams = {f"r{i}": _stream(i, 120) for i in range(7)}
+    streams["twin"] = list(streams["r0"][:40]) + _stream(99, 80)  # shares r0's start, then diverges
+    rows = FakeEngine(proposer, streams).run()
+    drafted = [r for r in rows if r[2]]
+    assert drafted and sum(bool(d) for _, d, _ in drafted) > len(drafted) // 2  # the streams repeat: most steps draft
+    for tokens, draft, sampled in rows:
+        assert draft == (_stateless(tokens, proposer) if sampled else [])
+    for _ in range(proposer.max_idle_steps + 1):  # every request finished: their states go
+        proposer.propose([], np.zeros(0, dtype=np.int32), np.zeros((0, 256), dtype=np.int32))
+    assert len(proposer.requests) == 0
+
+
+def test_context_proposer_reuses_the_state_and_feeds_only_new_tokens():
+    proposer = ContextProposer(_config())
+    stream = _stream(3, 100)
+    tokens = np.array([stream], dtype=np.int32)
+    for n in range(20, 100, 3):
+        proposer.propose([[stream[n - 1]]], np.array([n]), tokens)
+    assert proposer.requests.created == 1 and len(proposer.requests) == 1
+
+
+def test_chain_is_the_path_most_continuations_share():
+    # the suffix (1, 2) occurs three times: followed by 5 6 9, 5 6 8 and 4; "5 6" has two votes, then 9 vs 8 tie -> 9
+    # (the most recent occurrence ranks first within a length)
+    index = NgramIndex([1, 2, 5, 6, 8, 0, 1, 2, 4, 0, 1, 2, 5, 6, 9, 0, 1, 2], 2)
+    assert index.candidates(3, 4)[:3] == [[5, 6, 9], [4, 0, 1], [5, 6, 8]]
+    assert index.chain(3, 4) == [5, 6, 9]
+    assert NgramIndex([1, 2, 3], 2).chain(3, 4) == []
+
+
+def test_proposer_drafts_within_max_model_len_and_not_under_load():
+    proposer = ContextProposer(_config(k=6, max_model_len=24))
+    stream = [1, 2, 3, 4] * 6
+    tokens = np.array([stream], dtype=np.int32)
+    assert len(proposer.propose([[4]], np.array([20]), tokens)[0]) == 4  # 24 - 20 positions left
+    assert proposer.propose([[4]], np.array([24]), tokens) == [[]]  # at the limit: nothing
+
+    class Capped(ContextProposer):
+        max_requests = 2
+
+    capped = Capped(_config())
+    many = np.array([[1, 2, 3, 1, 2, 3, 1, 2]] * 3, dtype=np.int32)
+    assert capped.propose([[2]] * 3, np.array([8, 8, 8]), many) == [[], [], []]
+    assert capped.propose([[2]] * 2, np.array([8, 8]), many[:2]) != [[], []]
+
+
+@pytest.mark.parametrize("k", [0, None, "8"])
+def test_proposer_refuses_a_config_without_speculative_tokens(k):
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        ContextProposer(_config(k=k))
+
+
+def test_request_states_drop_idle_and_excess_entries():
+    states = RequestStates(lambda tokens: object(), max_idle_steps=2, max_entries=3)
+    entries = [states.lookup(np.array([i, 1, 2])) for i in range(5)]
+    assert len(states) == 5 and len({id(e) for e in entries}) == 5
+    states.end_step()
+    assert len(states) == 3  # the most recently used three
+    states.end_step()
+    states.end_step()
+    assert len(states) == 0
+    with pytest.raises(ValueError):
+        RequestStates(lambda t: None, max_idle_steps=0)
