@@ -60,7 +60,7 @@ NON_NEGATIVE = _at_least(0)
 def _env(_args) -> int:
     import importlib.metadata as md
 
-    from . import __version__
+    from .version import __version__
 
     info = {"hf_paralleldecode": __version__, "python": platform.python_version(), "platform": platform.platform()}
     for pkg in ("torch", "transformers", "accelerate", "trl", "datasets", "safetensors", "flash-attn", "triton"):

@@ -154,7 +154,7 @@ class ParallelDecodingConfig:
         return config
 
     def save_pretrained(self, save_directory: str | os.PathLike, push_to_hub: bool = False, **push_kwargs) -> Path:
-        from . import __version__
+        from .version import __version__
 
         save_directory = Path(save_directory)
         if save_directory.is_file():

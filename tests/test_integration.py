@@ -291,3 +291,11 @@ def test_checkpoint_defaults_still_serve_plain_calls():
     model.parallel_decoding_config = hfpd.ParallelDecodingConfig("jacobi", {"block_size": 4})
     out = model.generate(input_ids=torch.tensor([[5, 6, 7, 8]]), max_new_tokens=6, return_dict_in_generate=True)
     assert out.decoding == "jacobi"
+
+
+def test_the_library_version_is_the_packages():
+    import re
+    from pathlib import Path
+
+    pyproject = (Path(__file__).resolve().parent.parent / "pyproject.toml").read_text()
+    assert re.search(r'^version = "([^"]+)"', pyproject, re.M).group(1) == hfpd.__version__
