@@ -111,7 +111,7 @@ class JacobiForcingSettings(StrategySettings):
     cost_aware: bool = field(
         default=False,
         metadata={"help": "feed the optional nodes (context and recycled candidates) only when their expected gain "
-                          "pays for their cost on this device (``hf_paralleldecode.decoding.budget``)."},
+                          "pays for their cost on this device (``hf_paralleldecode.decoding.policy.budget``)."},
     )
     adaptive: bool = field(
         default=True,

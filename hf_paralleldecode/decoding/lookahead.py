@@ -92,7 +92,7 @@ class LookaheadSettings(StrategySettings):
     cost_aware: bool = field(
         default=False,
         metadata={"help": "feed the optional nodes (context and pool candidates) only when their expected gain pays "
-                          "for their cost on this device (``hf_paralleldecode.decoding.budget``)."},
+                          "for their cost on this device (``hf_paralleldecode.decoding.policy.budget``)."},
     )
     adaptive: bool = field(
         default=True,

@@ -56,7 +56,7 @@ class PromptLookupSettings(StrategySettings):
     cost_aware: bool = field(
         default=False,
         metadata={"help": "feed only the nodes whose expected gain pays for their cost on this device "
-                          "(``hf_paralleldecode.decoding.budget``), under the ``tree_budget`` cap."},
+                          "(``hf_paralleldecode.decoding.policy.budget``), under the ``tree_budget`` cap."},
     )
     adaptive: bool = field(
         default=True,

@@ -130,7 +130,7 @@ class SpeculativeSettings(StrategySettings):
     cost_aware: bool = field(
         default=False,
         metadata={"help": "feed only the drafted nodes whose expected gain pays for their cost on this device "
-                          "(:mod:`hf_paralleldecode.decoding.budget`): the tree is grown within ``tree_budget`` as "
+                          "(:mod:`hf_paralleldecode.decoding.policy.budget`): the tree is grown within ``tree_budget`` as "
                           "usual, then cut to the best nodes by the product along their path of how often nodes of "
                           "their ``q`` bucket (context nodes: their match rank) and depth were accepted (in this run, "
                           "starting from the drafter's previous call), as many as maximise tokens per second under "
@@ -212,7 +212,7 @@ class DraftProposer(Proposer):
                 nodes.acceptance.set_prior(nodes.key(GUESSES, bucket), mean)
         self.context_steps = 0  # steps whose tree held context nodes
         self.budget, self.width, self.depth = budget, width, depth
-        # the batch's tree shape per step (decoding/policy.py); measurements carry over per drafter and device
+        # the batch's tree shape per step (decoding/policy/); measurements carry over per drafter and device
         context = self.context is not None
         shapes = shapes_from(width, depth, budget, context, context_depth=context_tokens if context and self.context_chains
                              else None)

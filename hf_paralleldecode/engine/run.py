@@ -385,7 +385,7 @@ class Proposer:
     """
 
     stats: dict = {}
-    #: the call's :class:`~.policy.BatchPolicy` (the loop asks it before :meth:`propose` and tells it the verdict
+    #: the call's :class:`~hf_paralleldecode.decoding.policy.BatchPolicy` (the loop asks it before :meth:`propose` and tells it the verdict
     #: after): it picks each step's shape for the batch and holds the node budget; ``None``: the configured tree
     #: every step, every node of it
     policy = None
@@ -397,7 +397,7 @@ class Proposer:
 
     @property
     def shape(self):
-        """The :class:`~.policy.Shape` of the step being proposed, ``None`` without a policy (the configured tree)."""
+        """The :class:`~hf_paralleldecode.decoding.policy.Shape` of the step being proposed, ``None`` without a policy (the configured tree)."""
         return self.policy.current if self.policy is not None else None
 
     @property
