@@ -5,6 +5,7 @@ reordered as requests finish, are preempted and join. vLLM itself runs them in `
 from __future__ import annotations
 
 import random
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -152,3 +153,77 @@ def test_request_states_drop_idle_and_excess_entries():
     assert len(states) == 0
     with pytest.raises(ValueError):
         RequestStates(lambda t: None, max_idle_steps=0)
+
+
+def _deer_config(k=8, max_model_len=512):
+    import hf_paralleldecode as hfpd
+
+    path = hfpd.default_model_path("default")
+    return SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=k),
+                           model_config=SimpleNamespace(max_model_len=max_model_len, model=str(path),
+                                                        hf_config=SimpleNamespace(vocab_size=8192)))
+
+
+@pytest.fixture(scope="module")
+def greedy_streams():
+    import torch
+
+    import hf_paralleldecode as hfpd
+    from hf_paralleldecode.prompts import read_prompts
+
+    model, tok = hfpd.load_default_model("default")
+    texts = read_prompts(Path(hfpd.__file__).parent / "assets" / "prompts" / "stdlib_test_midfile.jsonl")[:3]
+    out = []
+    for text in texts:
+        ids = tok(text, return_tensors="pt")["input_ids"]
+        seq = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=48,
+                             decoding="stock")
+        out.append((ids.shape[1], seq[0].tolist()))
+    return out
+
+
+def test_deer_proposer_drafts_as_a_fresh_drafter_would_and_is_accepted(greedy_streams):
+    from hf_paralleldecode.serving.vllm import DeerProposer
+
+    class Fp32Deer(DeerProposer):
+        drafter_dtype = "float32"  # the comparison below is exact in fp32
+
+    proposer, fresh = Fp32Deer(_deer_config()), Fp32Deer(_deer_config())
+    # vLLM verifies greedily: a draft commits its prefix that matches the model's greedy text, then one more token
+    counts = {i: prompt_len + 1 for i, (prompt_len, _) in enumerate(greedy_streams)}
+    accepted, steps = 0, 0
+    while any(counts[i] < len(s) for i, (_, s) in enumerate(greedy_streams)):
+        live = [i for i, (_, s) in enumerate(greedy_streams) if counts[i] < len(s)]
+        tokens = np.zeros((len(live), 512), dtype=np.int32)
+        for slot, i in enumerate(live):
+            tokens[slot, : counts[i]] = greedy_streams[i][1][: counts[i]]
+        drafts = proposer.propose([[1]] * len(live), np.array([counts[i] for i in live]), tokens)
+        for slot, i in enumerate(live):
+            stream, n = greedy_streams[i][1], counts[i]
+            entry = fresh.requests.lookup(np.asarray(stream[:n]), fresh=True)
+            assert drafts[slot] == fresh.draft_rows([(entry, np.asarray(stream[:n]), min(8, 512 - n))])[0]
+            ok = 0
+            while ok < len(drafts[slot]) and n + ok < len(stream) and drafts[slot][ok] == stream[n + ok]:
+                ok += 1
+            accepted += ok
+            steps += 1
+            counts[i] = min(n + ok + 1, len(stream))
+    assert proposer.requests.created == len(greedy_streams)  # one state per request, kept across steps
+    assert 1 + accepted / steps > 2.0  # the shipped DEER drafter is accepted on its own model's text
+
+
+def test_deer_proposer_refuses_what_it_cannot_draft_with():
+    from hf_paralleldecode.serving.vllm import DeerProposer
+
+    with pytest.raises(ValueError, match="block_size"):
+        DeerProposer(_deer_config(k=64))
+
+    class Head(DeerProposer):
+        drafter = "default-jetspec"
+
+    with pytest.raises(ValueError, match="export"):
+        Head(_deer_config())
+    bare = _deer_config()
+    bare.model_config.model = "/nonexistent-target"
+    with pytest.raises(ValueError, match="no parallel_decoding_config.json"):
+        DeerProposer(bare)

@@ -27,12 +27,16 @@ Per-request state (the n-gram index, the drafter's cache) is kept across steps b
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
+import torch
 
 from ..decoding.prompt_lookup import NgramIndex
 from .requests import Entry, RequestStates
 
-__all__ = ["TokenProposer", "ContextProposer"]
+__all__ = ["TokenProposer", "ContextProposer", "DeerProposer"]
 
 
 class TokenProposer:
@@ -116,3 +120,125 @@ class ContextProposer(TokenProposer):
             index.extend(tokens[len(index.tokens):].tolist())
             out.append(index.chain(k, self.max_matches))
         return out
+
+
+class _DeerRequest:
+    """One request's DEER state: the drafter's per-call state at batch 1 (its cache of the request's tokens), the
+    tokens committed since that state began, the last step drafted and the chain it gave."""
+
+    __slots__ = ("state", "committed", "step", "chain")
+
+    def __init__(self, state, first: int):
+        self.state, self.committed, self.step, self.chain = state, [first], None, []
+
+
+class DeerProposer(TokenProposer):
+    """A DEER diffusion drafter as a vLLM proposer (see the module docstring): each drafting request's block of
+    ``num_speculative_tokens`` masks is denoised once after its last token, and the chain is the argmax per depth.
+
+    The drafter is :attr:`drafter` (a folder, a Hub repo id or a shipped alias such as ``"default-deer"``), else the
+    one named by the target's ``parallel_decoding_config.json`` (a bundle's ``drafter/`` folder, or an alias)."""
+
+    #: the DEER drafter; ``None``: the one the served checkpoint's decoding config names
+    drafter: str | None = None
+    #: ``"float32"``, ``"bfloat16"``, ...; ``None``: this library's CPU preset (bf16 where the CPU computes it natively)
+    drafter_dtype: str | None = None
+    #: a request whose state lags by more tokens than this (steps it did not draft) starts a fresh state
+    max_catch_up: int = 16
+
+    def __init__(self, vllm_config):
+        super().__init__(vllm_config)
+        from ..drafters.diffusion import DiffusionDrafter
+        from ..drafters.loading import DRAFTER_DTYPES, load_drafter
+        from ..hardware import device_preset
+
+        source = self.drafter if self.drafter is not None else _configured_drafter(vllm_config.model_config.model)
+        dtype = self.drafter_dtype or device_preset("cpu")[1]["speculative"]["drafter_dtype"]
+        dtype = DRAFTER_DTYPES.get(dtype, torch.float32)
+        self.deer = load_drafter(source, cache=False, device="cpu", dtype=dtype)
+        if not isinstance(self.deer, DiffusionDrafter):
+            raise ValueError(f"DeerProposer drafts with a DEER diffusion drafter; {source!r} is a "
+                             f"{self.deer.describe()}. Serve a draft head or EAGLE-3 drafter through its vLLM export "
+                             "(hfpd.export_drafter(..., format='speculators')) instead.")
+        if self.k > self.deer.max_depth:
+            raise ValueError(f"num_speculative_tokens={self.k} exceeds the DEER drafter's block_size="
+                             f"{self.deer.max_depth}: lower num_speculative_tokens.")
+        self.deer.check_length(self.max_model_len)
+        self.vocab = _target_vocab(vllm_config)
+        if self.deer.vocab_size < self.vocab:
+            raise ValueError(f"The DEER drafter's vocabulary ({self.deer.vocab_size} rows) is smaller than the served "
+                             f"model's ({self.vocab}): it was not built for this model.")
+
+    def new_state(self, tokens: np.ndarray):
+        return None  # made at the request's first drafting step (_start), which knows its tokens
+
+    def _start(self, tokens: np.ndarray) -> _DeerRequest:
+        from ..drafters.context import DrafterContext
+
+        n = tokens.shape[0]
+        prompt = torch.as_tensor(tokens[:-1], dtype=torch.long)[None]
+        ones = torch.ones_like(prompt, dtype=torch.bool)
+        positions = torch.arange(n - 1)[None]
+        context = DrafterContext(prompt=prompt, prompt_mask=ones, prompt_positions=positions, packed_prompt=prompt,
+                                 prompt_lengths=torch.tensor([n - 1]), first_tokens=torch.tensor([int(tokens[-1])]),
+                                 first_positions=torch.tensor([n - 1]), taps=None, vocab=self.vocab,
+                                 device=torch.device("cpu"), dtype=torch.float32)
+        return _DeerRequest(self.deer.start(context, self.k), int(tokens[-1]))
+
+    def draft_rows(self, rows):
+        out = []
+        with torch.inference_mode():
+            for entry, tokens, k in rows:
+                out.append(self._draft(entry, tokens, k) if k > 0 else [])
+        return out
+
+    def _draft(self, entry: Entry, tokens: np.ndarray, k: int) -> list[int]:
+        from ..drafters.context import DraftStep
+        from ..engine.verify import Verdict
+
+        request: _DeerRequest | None = entry.state
+        new = tokens[entry.tokens.shape[0]:]
+        if request is not None and new.shape[0] == 0:
+            return request.chain  # a stream another slot with the same tokens drafted this step
+        if request is None or request.step is None or new.shape[0] > self.max_catch_up:
+            request = entry.state = self._start(tokens)
+        else:  # the tokens committed since its last step: that step's accepted drafts and vLLM's bonus token
+            got = torch.as_tensor(new, dtype=torch.long)[None]
+            verdict = Verdict(path=torch.zeros_like(got), num_accepted=torch.tensor([got.shape[1] - 1]), tokens=got,
+                              choices=got)
+            request.state.update(request.step, None, verdict)
+            request.committed.extend(int(t) for t in new)
+        committed = torch.tensor([request.committed])
+        count = torch.tensor([len(request.committed)])
+        step = DraftStep(rows=torch.tensor([0]), roots=torch.tensor([int(tokens[-1])]),
+                         root_pos=torch.tensor([tokens.shape[0] - 1]), depth=k,
+                         read_committed=lambda: (committed, count))
+        logits = request.state.marginals(step)  # [1, >= k, V]
+        request.state.end_step()
+        request.step = step
+        request.chain = logits[0, :k].argmax(-1).tolist()
+        return request.chain
+
+
+def _target_vocab(vllm_config) -> int:
+    hf = getattr(vllm_config.model_config, "hf_config", None)
+    text = hf.get_text_config() if hf is not None and hasattr(hf, "get_text_config") else hf
+    vocab = getattr(text, "vocab_size", None)
+    if not isinstance(vocab, int):
+        raise ValueError("DeerProposer could not read the served model's vocabulary size from vLLM's model config.")
+    return vocab
+
+
+def _configured_drafter(target) -> str:
+    """The drafter the served checkpoint's ``parallel_decoding_config.json`` names (a folder of the checkpoint, an
+    alias or a repo id)."""
+    from ..config import CONFIG_NAME
+
+    path = Path(str(target)) / CONFIG_NAME
+    name = json.loads(path.read_text()).get("drafter") if path.is_file() else None
+    if not name:
+        raise ValueError(f"DeerProposer found no drafter: {target} has no {CONFIG_NAME} naming one. Subclass "
+                         "DeerProposer with drafter = '<folder, repo id or alias>' and name that class in "
+                         "speculative_config['model'].")
+    local = Path(str(target)) / name
+    return str(local) if local.is_dir() else name
