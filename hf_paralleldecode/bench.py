@@ -380,8 +380,14 @@ def run_benchmark(
     progress: bool = True,
     model_name: str = "model",
     sampling: dict | None = None,
+    chat_template: bool | None = None,
 ) -> dict:
     """Run AR and ``strategies`` interleaved; return (and optionally write) the report.
+
+    ``prompts``: strings, or conversations (lists of ``{"role", "content"}`` messages). ``chat_template`` decides
+    whether the tokenizer's chat template is applied with the generation prompt, as data collection does
+    (:func:`~hf_paralleldecode.prompts.chat_prompts`: by default for conversations, plain strings stay raw); the
+    report records the choice (``prompt_format``).
 
     ``sampling``: sampling settings (``temperature``, ``top_p``, ``top_k``) for runs with ``do_sample=True``
     (stock sampling is then the baseline). Every run of a prompt batch starts from the same torch seed,
@@ -400,8 +406,13 @@ def run_benchmark(
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
-    batches = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
-    encoded = [tokenizer(b, return_tensors="pt", padding=True).to(device) for b in batches]
+    from .prompts import chat_prompts
+
+    texts, prompt_format = chat_prompts(tokenizer, list(prompts), chat_template)
+    batches = [texts[i : i + batch_size] for i in range(0, len(texts), batch_size)]
+    # templated text holds the template's special tokens already
+    encoded = [tokenizer(b, return_tensors="pt", padding=True, add_special_tokens=prompt_format != "chat_template")
+               .to(device) for b in batches]
     entries: list[StrategySpec | None] = [None, *strategies]
     labels = ["ar", *[s.label for s in strategies]]
     timer = _ForwardTimer(model)
@@ -466,6 +477,7 @@ def run_benchmark(
         dtype=str(next(model.parameters()).dtype).replace("torch.", ""),
         torch_threads=torch.get_num_threads(),
         prompts=len(prompts),
+        prompt_format=prompt_format,
         batch_size=batch_size,
         max_new_tokens=max_new_tokens,
         repeats=repeats,

@@ -135,6 +135,10 @@ def _add_model_args(p):
                    help="prompts file(s): .jsonl / .json / .parquet (the --prompt-column field) or .txt (blank-line "
                         "separated), several files are read in order; default: the shipped held-out prompts")
     p.add_argument("--prompt-column", default="prompt")
+    p.add_argument("--chat-template", action=argparse.BooleanOptionalAction, default=None,
+                   help="apply the tokenizer's chat template with the generation prompt, as collect does (default: "
+                        "for conversations, i.e. message lists; plain text stays raw, with a warning for a chat "
+                        "tokenizer); --no-chat-template keeps raw text")
     p.add_argument("--num-prompts", type=POSITIVE, default=None, help="use only the first N prompts")
     p.add_argument("--max-new-tokens", type=POSITIVE, default=128)
     p.add_argument("--batch-size", type=POSITIVE, default=1)
@@ -151,10 +155,13 @@ def _add_model_args(p):
 def _prompts(args, default_count):
     from pathlib import Path
 
-    from .bench import load_prompts
+    from .prompts import is_conversation, read_prompts
 
     paths = args.prompts or [Path(__file__).parent / "assets" / "prompts" / "stdlib_test.jsonl"]
-    prompts = [p for path in paths for p in load_prompts(path, args.prompt_column)]
+    prompts = [p for path in paths for p in read_prompts(path, args.prompt_column, conversations=True)]
+    if getattr(args, "chat_template", None) is False and any(is_conversation(p) for p in prompts):
+        raise ValueError("The prompts hold conversations (message lists), which need a chat template: drop "
+                         "--no-chat-template, or give plain text prompts.")
     n = args.num_prompts or default_count
     return prompts[:n] if n else prompts
 
@@ -180,6 +187,7 @@ def _bench(args) -> int:
         report = run_benchmark(
             model, tokenizer, prompts, strategies, max_new_tokens=args.max_new_tokens,
             repeats=args.repeats, batch_size=b, output_dir=out, model_name=name, sampling=sampling,
+            chat_template=args.chat_template,
         )
         reports.append(report)
         if len(sizes) > 1:
@@ -212,7 +220,7 @@ def _sweep(args) -> int:
     model, tokenizer, name = _load(args)
     report = run_benchmark(model, tokenizer, prompts, specs, max_new_tokens=args.max_new_tokens,
                            repeats=args.repeats, batch_size=args.batch_size, output_dir=args.output_dir,
-                           model_name=name)
+                           model_name=name, chat_template=args.chat_template)
     print(format_report(report))
     if args.output_dir:
         out = Path(args.output_dir)
@@ -254,7 +262,7 @@ def _tune(args) -> int:
     model, tokenizer, name = _load(args)
     report = tune(model, tokenizer, prompts, args.decoding, grid, max_new_tokens=args.max_new_tokens,
                   batch_size=args.batch_size, repeats=args.repeats, latency_budget_ms=args.latency_budget_ms,
-                  output_dir=args.output_dir, save_to=save_to, model_name=name)
+                  output_dir=args.output_dir, save_to=save_to, model_name=name, chat_template=args.chat_template)
     roof = report["roofline"]
     print(f"forward time vs tokens per forward (context {report['context']}):")
     for n, sec in zip(roof["tokens"], roof["seconds"]):
@@ -401,7 +409,7 @@ def _demo_part(args, model, tokenizer, name, prompts, strategies, sample_kwargs)
     output_dir = None if args.output_dir is None else f"{args.output_dir}/{args.model}"
     report = run_benchmark(model, tokenizer, prompts, strategies, max_new_tokens=args.max_new_tokens,
                            repeats=args.repeats, batch_size=args.batch_size, output_dir=output_dir,
-                           progress=False, model_name=name)
+                           progress=False, model_name=name, chat_template=args.chat_template)
     print(format_report(report))
     return report
 

@@ -53,8 +53,10 @@ def _plot_roofline(points, knee, title, path) -> bool:
 def tune(model, tokenizer, prompts: list[str], decoding: str, grid: dict[str, list], max_new_tokens: int = 64,
          batch_size: int = 1, repeats: int = 1, latency_budget_ms: float | None = None,
          output_dir: str | Path | None = None, save_to: str | Path | None = None, tokens=TUNE_TOKENS,
-         knee_factor: float = 1.5, model_name: str = "model", progress: bool = True) -> dict:
-    """Measure the roofline curve and the grid, pick the fastest exact setting; return (and write) the report."""
+         knee_factor: float = 1.5, model_name: str = "model", progress: bool = True,
+         chat_template: bool | None = None) -> dict:
+    """Measure the roofline curve and the grid, pick the fastest exact setting; return (and write) the report.
+    ``prompts`` and ``chat_template`` as :func:`~hf_paralleldecode.bench.run_benchmark` takes them."""
     from .bench import grid_strategies, plot_sweep, run_benchmark
     from .config import ParallelDecodingConfig
     from .decoding.policy import forward_cost
@@ -68,12 +70,16 @@ def tune(model, tokenizer, prompts: list[str], decoding: str, grid: dict[str, li
     settings = settings_class(decoding)
     for spec in specs:  # every point of the grid, checked by the strategy's settings class before anything is measured
         settings.from_dict(spec.settings, decoding=decoding)
-    lengths = [len(tokenizer(p).input_ids) for p in prompts]
+    from .prompts import chat_prompts
+
+    texts, prompt_format = chat_prompts(tokenizer, list(prompts), chat_template)
+    lengths = [len(tokenizer(p, add_special_tokens=prompt_format != "chat_template").input_ids) for p in texts]
     context = int(sum(lengths) / max(len(lengths), 1)) + max_new_tokens // 2  # the model's real context length
     curve = forward_cost(model, context=context, repeats=3, tokens=tokens)
     knee = knee_of(curve.points, knee_factor)
     report = run_benchmark(model, tokenizer, prompts, specs, max_new_tokens=max_new_tokens, repeats=repeats,
-                           batch_size=batch_size, output_dir=None, progress=progress, model_name=model_name)
+                           batch_size=batch_size, output_dir=None, progress=progress, model_name=model_name,
+                           chat_template=chat_template)
     rows = []
     for spec in specs:
         r = report["results"][spec.label]

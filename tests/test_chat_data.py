@@ -83,3 +83,31 @@ def test_cli_reads_a_jsonl_of_message_lists_and_a_messages_column(tmp_path):
                         "--prompts", str(tmp_path / name), "--output-dir", str(out), "--max-new-tokens", "3",
                         *extra], check=True, capture_output=True)
         assert json.loads((out / "collection_config.json").read_text())["prompt_format"] == "chat_template"
+
+
+def test_bench_takes_conversations_and_the_chat_option_as_collect_does(tmp_path, monkeypatch, capsys):
+    from hf_paralleldecode import cli
+    from hf_paralleldecode.bench import StrategySpec, run_benchmark
+
+    model, tok = tiny_model("llama"), chat_tokenizer()
+    report = run_benchmark(model, tok, CONVERSATIONS[:2], [StrategySpec("jacobi", {"block_size": 4})],
+                           max_new_tokens=4, repeats=1, progress=False)
+    assert report["prompt_format"] == "chat_template"
+    assert report["results"]["jacobi(block_size=4)"]["exact_match_vs_ar"] == 1.0
+    with pytest.warns(UserWarning, match="--chat-template"):
+        raw = run_benchmark(model, tok, ["t10 t11"], [], max_new_tokens=4, repeats=1, progress=False)
+    assert raw["prompt_format"] == "raw"
+    templated = run_benchmark(model, tok, ["t10 t11"], [], max_new_tokens=4, repeats=1, progress=False,
+                              chat_template=True)
+    assert templated["prompt_format"] == "chat_template"
+    # the command line reads conversation files and refuses them with --no-chat-template, before loading a model
+    path = tmp_path / "chats.jsonl"
+    path.write_text("\n".join(json.dumps({"prompt": c}) for c in CONVERSATIONS) + "\n")
+    monkeypatch.setattr(cli, "_load", lambda args: (model, tok, "tiny"))
+    assert cli.main(["bench", "--prompts", str(path), "--strategies", "jacobi:block_size=4", "--repeats", "1",
+                     "--max-new-tokens", "4", "--output-dir", str(tmp_path / "b")]) == 0
+    assert json.loads((tmp_path / "b" / "bench.json").read_text())["prompt_format"] == "chat_template"
+    monkeypatch.setattr(cli, "_load", lambda args: pytest.fail("the prompts are checked before a model loads"))
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--prompts", str(path), "--no-chat-template", "--repeats", "1", "--max-new-tokens", "4"])
+    assert "conversations" in capsys.readouterr().err
