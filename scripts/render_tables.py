@@ -16,6 +16,7 @@ whose text differs (the docs test runs it). Kinds:
 * ``roofline``: forward milliseconds by batch (rows) and tokens per row (columns) of ``scripts/gpu_roofline.py``
   reports (``files``: one table, a row per file and batch).
 * ``twins``: the rows of ``scripts/twin_check.py`` reports (``files``).
+* ``vllm``: the rows of a ``scripts/vllm_check.py --out`` report (``file``; optional ``models`` / ``concurrency``).
 * ``grid``: any table: ``files`` names JSON files by alias, ``header`` the column titles and ``rows`` each row's
   cells, as text in which ``{expression:format}`` is replaced by its value. An expression is arithmetic
   (``+ - * /``, parentheses, numbers) over references ``alias/key/key...`` (``a/results/ar/tokens_per_second``);
@@ -241,7 +242,26 @@ def render_grid(spec: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-RENDERERS = {"grid": render_grid, "bench": render_bench, "policy": render_policy, "roofline": render_roofline, "twins": render_twins}
+def render_vllm(spec: dict) -> str:
+    """The rows of a ``scripts/vllm_check.py --out`` report (``file``; ``models`` / ``concurrency`` to keep)."""
+    report = _load(spec["file"])
+    keep_models, keep_c = spec.get("models"), spec.get("concurrency")
+    lines = ["| model | method | requests at once | identical to vLLM plain / stock | mean acceptance length | "
+             "tokens/s | vs vLLM plain | vs vLLM ngram |", "|" + " --- |" * 8]
+    for r in report["rows"]:
+        if "error" in r or (keep_models and r["model"] not in keep_models) or \
+                (keep_c and r["concurrency"] not in keep_c):
+            continue
+        n = r["prompts"]
+        plain = "-" if r["identical_to_vllm_plain"] is None else f"{r['identical_to_vllm_plain']}/{n}"
+        lines.append(f"| {r['model']} | {r['method']} | {r['concurrency']} | {plain} / {r['identical_to_stock']}/{n} | "
+                     f"{_fmt(r['mean_acceptance_length'], '.2f')} | {_fmt(r['tokens_per_second'], '.0f')} | "
+                     f"{_fmt(r['vs_plain'], 'x')} | {_fmt(r['vs_ngram'], 'x')} |")
+    return "\n".join(lines) + "\n"
+
+
+RENDERERS = {"grid": render_grid, "bench": render_bench, "policy": render_policy, "roofline": render_roofline,
+             "twins": render_twins, "vllm": render_vllm}
 
 
 def render_text(text: str) -> tuple[str, list[str]]:
