@@ -5,12 +5,15 @@ Why
     between forwards, builds models on transformers' DFlash drafter and overrides a few ``Trainer``
     hooks. Those contracts are not all public, and they move: transformers 5.24 renamed the cache
     argument from ``past_key_values`` to ``cache`` in ``generate``, in model forwards and in model
-    outputs. Everything the library needs from transformers beyond its documented public API is
+    outputs; 5.19 added the ``Trainer`` flag that says a loss is already scaled for gradient accumulation.
+    Everything the library needs from transformers beyond its documented public API is
     resolved here, once, for the installed release; no other module names a private transformers
     symbol or the cache argument, so the next rename is a change in this file.
 
 What is here
-    * The tested range (:data:`TESTED_TRANSFORMERS`) and the one warning on import outside it.
+    * The tested range (:data:`TESTED_TRANSFORMERS`) and the one warning on import outside it; what
+      appeared inside it, release by release (:data:`INTRODUCED`), and whether the installed release has it
+      (:func:`since`).
     * The cache argument: the key ``generate`` hands a ``custom_generate`` callable
       (:data:`GENERATE_CACHE_KEY`), the keyword a given model's ``forward`` takes
       (:func:`cache_kwargs`: read from its signature, so a remote-code model that still takes
@@ -25,7 +28,8 @@ What is here
     * Models: the attention implementation in use, transformers' DFlash drafter classes, a base
       class for the library's own ``PreTrainedModel`` subclasses, and the ``Trainer`` hooks.
     * :data:`INTERNALS`: every internal name this module relies on, checked by
-      ``tests/test_compat.py`` on the installed version.
+      ``tests/test_compat.py`` on the installed version; :data:`INTRODUCED`, those that only the newer
+      releases of the range have (checked to exist exactly from their release on).
 """
 
 from __future__ import annotations
@@ -57,13 +61,14 @@ __all__ = [
     "MaxLengthCriteria", "pad_token_tensor", "eos_token_tensor", "distributed_world_size", "sharded_across_processes",
     "enclosing_generate_streamer", "generated_max_length", "generate_model_inputs", "attn_implementation", "default_cache", "is_sliding_window_layer", "has_recurrent_state", "length_dependent_rope", "set_body_attn_implementation", "dflash_classes",
     "HeadPreTrainedModel", "TrainerHooks", "GENERATION_CONFIG_BOOKKEEPING", "INTERNALS", "RUNTIME_INTERNALS",
+    "INTRODUCED", "since", "TRAINER_READS_LOSS_SCALING",
 ]
 
 logger = logging.getLogger("hf_paralleldecode")
 
 # ---- versions -------------------------------------------------------------------------------------
 #: transformers releases CI tests: ``(floor, first untested)``; pyproject's requirement states the same range
-TESTED_TRANSFORMERS = ("5.23.0", "5.25")
+TESTED_TRANSFORMERS = ("5.16.1", "5.25")
 TRANSFORMERS_VERSION = Version(transformers.__version__)
 
 
@@ -83,6 +88,28 @@ def tested_range_warning(version: str | Version | None = None) -> str | None:
 _warning = tested_range_warning()
 if _warning:
     logger.warning(_warning)
+
+
+def since(release: str, version: str | Version | None = None) -> bool:
+    """Whether the installed transformers (or ``version``) is ``release`` or newer; a pre-release of ``release``
+    counts as ``release`` (its code is what the release ships)."""
+    v = Version(str(version)) if version is not None else TRANSFORMERS_VERSION
+    return Version(v.base_version) >= Version(release)
+
+
+#: ``(owner, attribute, release)``: what transformers added inside the tested range, which the releases before
+#: ``release`` lack and this module bridges (``tests/test_compat.py`` checks each exists exactly from its release on,
+#: so a gate below that names the wrong release fails on one of the two releases CI runs)
+INTRODUCED: tuple[tuple[str, str, str], ...] = (
+    # 5.19: Trainer reads `loss_is_scaled_for_ga` (is compute_loss's loss already scaled for gradient accumulation?);
+    # before, it divided by the accumulation steps unless the model "accepts loss kwargs" (TrainerHooks bridges it)
+    ("transformers.trainer.Trainer", "loss_is_scaled_for_ga", "5.19.0"),
+    # 5.24: the cache argument is `cache`, and the older names are the deprecated ones (GENERATE_CACHE_KEY reads
+    # ALL_CACHE_NAMES[0], which is `past_key_values` before 5.24)
+    ("transformers.generation.utils", "DEPRECATED_CACHE_NAMES", "5.24.0"),
+)
+#: whether ``Trainer.training_step`` honours a trainer's ``loss_is_scaled_for_ga`` (transformers >= 5.19)
+TRAINER_READS_LOSS_SCALING = since("5.19.0")
 
 # ---- the cache argument ---------------------------------------------------------------------------
 #: every name transformers has used for the cache argument, newest first
@@ -217,12 +244,13 @@ def set_body_attn_implementation(config, implementation: str) -> None:
 
 
 def dflash_classes():
-    """transformers' DFlash drafter: ``(config class, model class)`` (``MuseGlimmerAssistant*``, transformers >= 5.23)."""
+    """transformers' DFlash drafter: ``(config class, model class)`` (``MuseGlimmerAssistant*``; every release of the
+    tested range has it, with the cache argument under the release's name, read by :func:`forward_cache_key`)."""
     try:
         from transformers.models.muse_glimmer_assistant import MuseGlimmerAssistantConfig, MuseGlimmerAssistantModel
     except ImportError as err:  # pragma: no cover - depends on the installed transformers
         raise ImportError(
-            "The draft head needs transformers' DFlash drafter (MuseGlimmerAssistantModel, transformers>=5.23)."
+            f"The draft head needs transformers' DFlash drafter (MuseGlimmerAssistantModel, transformers>={TESTED_TRANSFORMERS[0]})."
         ) from err
     return MuseGlimmerAssistantConfig, MuseGlimmerAssistantModel
 
@@ -315,7 +343,19 @@ class TrainerHooks:
     Override :meth:`count_items_in_batch` (the loss normaliser of one optimizer step, gathered over
     gradient accumulation), :meth:`save_model_files` (what a checkpoint / ``save_model`` writes) and
     :meth:`load_model_files` (``resume_from_checkpoint``); each defaults to the Trainer's own behaviour.
+
+    A trainer that sets ``loss_is_scaled_for_ga`` (its own ``compute_loss`` divides by the step's
+    ``num_items_in_batch``, or does not) gets that on every release of the range: transformers < 5.19 ignores the
+    flag and divides the loss by the accumulation steps unless ``model_accepts_loss_kwargs`` is true and the step
+    was counted, so there the flag is copied into ``model_accepts_loss_kwargs`` (which such a trainer's own
+    ``compute_loss`` and ``count_items_in_batch`` make moot otherwise).
     """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        scaled = getattr(self, "loss_is_scaled_for_ga", None)
+        if scaled is not None and not TRAINER_READS_LOSS_SCALING:
+            self.model_accepts_loss_kwargs = bool(scaled)
 
     def count_items_in_batch(self, batch_samples, device):
         return super()._get_num_items_in_batch(batch_samples, device)

@@ -50,6 +50,39 @@ def test_internal_name_resolves(owner, attribute):
     assert _resolve(owner, attribute) is not None, f"{owner}.{attribute} is gone in transformers {transformers.__version__}"
 
 
+def _exists(owner: str, attribute: str) -> bool:
+    try:
+        _resolve(owner, attribute)  # the attribute may be None (a flag's default): only its absence counts
+    except (AttributeError, ImportError):
+        return False
+    return True
+
+
+@pytest.mark.parametrize("owner,attribute,release", compat.INTRODUCED, ids=lambda x: x)
+def test_introduced_names_exist_exactly_from_their_release(owner, attribute, release):
+    """A name transformers added inside the range is there on that release and after, absent before: the release
+    each of compat's gates names is the right one (CI runs the floor and the newest release)."""
+    assert not compat.since(release, compat.TESTED_TRANSFORMERS[0]), "added at or below the floor: move it to INTERNALS"
+    assert _exists(owner, attribute) == compat.since(release), (
+        f"{owner}.{attribute} {'is' if _exists(owner, attribute) else 'is not'} in transformers "
+        f"{transformers.__version__}; compat gates it on {release}")
+
+
+@pytest.mark.parametrize("version,release,expected", [
+    ("5.16.1", "5.19.0", False), ("5.18.9", "5.19.0", False), ("5.19.0", "5.19.0", True),
+    ("5.19.0.dev0", "5.19.0", True), ("5.19.0rc1", "5.19.0", True), ("5.24.0", "5.19.0", True), ("6.0.0", "5.24.0", True),
+])
+def test_since_compares_releases_counting_a_pre_release_as_its_release(version, release, expected):
+    assert compat.since(release, version) is expected
+
+
+def test_the_gates_follow_the_installed_release():
+    assert compat.TRAINER_READS_LOSS_SCALING == compat.since("5.19.0")
+    assert compat.TRAINER_READS_LOSS_SCALING == hasattr(transformers.Trainer, "loss_is_scaled_for_ga")
+    # the cache argument's name: `cache` from 5.24 on, `past_key_values` before
+    assert compat.GENERATE_CACHE_KEY == ("cache" if compat.since("5.24.0") else "past_key_values")
+
+
 def test_runtime_internals_are_set_by_generate():
     """The attributes transformers sets at run time (RUNTIME_INTERNALS) are there on a real call."""
     model = tiny_model("llama")
@@ -150,8 +183,9 @@ def test_declared_range_is_the_tested_range():
     assert compat.tested_range_warning() is None, "CI runs on a transformers outside the tested range"
 
 
-@pytest.mark.parametrize("version,warns", [("5.23.0", False), ("5.24.0", False), ("5.24.3", False),
-                                           ("5.25.0", True), ("5.25.0.dev0", True), ("5.22.2", True), ("6.0.0", True)])
+@pytest.mark.parametrize("version,warns", [("5.16.1", False), ("5.19.0", False), ("5.23.0", False), ("5.24.0", False),
+                                           ("5.24.3", False), ("5.25.0", True), ("5.25.0.dev0", True), ("5.16.0", True),
+                                           ("5.15.1", True), ("6.0.0", True)])
 def test_outside_the_tested_range_warns_once_naming_it(version, warns):
     message = compat.tested_range_warning(version)
     assert (message is not None) == warns
@@ -271,3 +305,100 @@ def test_no_module_outside_compat_imports_transformers_internals_modules():
             bad += [f"{path.relative_to(ROOT)}: {m}" for m in mods
                     if m.startswith("transformers") and not allowed.match(m)]
     assert not bad, bad
+
+
+# ---- the Trainer's loss scaling under gradient accumulation ---------------------------------------------
+class _Linear(torch.nn.Module):
+    """A model whose forward takes no ``**kwargs``: the Trainer does not think it normalises its own loss."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = torch.nn.Linear(3, 1)
+
+    def forward(self, x):
+        return self.proj(x)
+
+
+class _Rows(torch.utils.data.Dataset):
+    """Four rows of unequal weight, so a sum over the optimizer step differs from a mean of micro-batch means."""
+
+    def __init__(self, weights=(1.0, 3.0, 0.5, 2.0)):
+        g = torch.Generator().manual_seed(0)
+        self.x, self.y = torch.randn(4, 3, generator=g), torch.randn(4, 1, generator=g)
+        self.w = torch.tensor(weights)
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        return {"x": self.x[i], "y": self.y[i], "w": self.w[i]}
+
+
+def _weighted_trainer(scaled: bool | None):
+    from transformers import Trainer
+
+    class Weighted(compat.TrainerHooks, Trainer):
+        """``scaled``: its loss is the weighted sum over the step's total weight (``num_items_in_batch``);
+        otherwise the weighted mean of the micro-batch (the Trainer divides by the accumulation steps)."""
+
+        loss_is_scaled_for_ga = scaled
+
+        def count_items_in_batch(self, batch_samples, device):
+            return sum(b["w"].sum() for b in batch_samples).to(device) if scaled else None
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            per_row = inputs["w"] * (model(inputs["x"]) - inputs["y"]).square().squeeze(-1)
+            return per_row.sum() / (num_items_in_batch if scaled else inputs["w"].sum())
+
+    return Weighted
+
+
+def _one_step(trainer_cls, tmp_path, batch: int, accumulation: int, **rows):
+    from transformers import TrainingArguments
+
+    args = TrainingArguments(
+        output_dir=str(tmp_path / f"{batch}x{accumulation}"), per_device_train_batch_size=batch,
+        gradient_accumulation_steps=accumulation, max_steps=1, learning_rate=0.5, optim="sgd",
+        lr_scheduler_type="constant", warmup_steps=0, report_to=[], save_strategy="no", logging_strategy="no",
+        use_cpu=True, remove_unused_columns=False, dataloader_drop_last=False, disable_tqdm=True, seed=0)
+    collate = lambda rows: {k: torch.stack([r[k] for r in rows]) for k in rows[0]}  # noqa: E731
+    trainer = trainer_cls(model=_Linear(), args=args, train_dataset=_Rows(**rows), data_collator=collate)
+    trainer.train()
+    return trainer, torch.cat([p.detach().reshape(-1) for p in trainer.model.parameters()])
+
+
+def test_a_loss_scaled_for_accumulation_takes_the_big_batch_step_on_every_release(tmp_path):
+    """``loss_is_scaled_for_ga = True``: 2 accumulated micro-batches of 2 take the step of one batch of 4, on a
+    release whose Trainer reads the flag (>= 5.19) and on one where TrainerHooks bridges it (the floor)."""
+    trainer_cls = _weighted_trainer(True)
+    _, big = _one_step(trainer_cls, tmp_path, 4, 1)
+    trainer, accumulated = _one_step(trainer_cls, tmp_path, 2, 2)
+    torch.testing.assert_close(accumulated, big, rtol=1e-5, atol=1e-6)
+    if not compat.TRAINER_READS_LOSS_SCALING:
+        assert trainer.model_accepts_loss_kwargs is True
+
+
+def test_a_per_micro_batch_loss_is_still_divided_by_the_accumulation_steps(tmp_path):
+    """``loss_is_scaled_for_ga = False``: the loss is each micro-batch's mean and the Trainer divides it by the
+    accumulation steps, so with equal weights 2 x 2 again takes the step of one batch of 4 (not twice it)."""
+    trainer_cls = _weighted_trainer(False)
+    _, big = _one_step(trainer_cls, tmp_path, 4, 1, weights=(1.0, 1.0, 1.0, 1.0))
+    trainer, accumulated = _one_step(trainer_cls, tmp_path, 2, 2, weights=(1.0, 1.0, 1.0, 1.0))
+    torch.testing.assert_close(accumulated, big, rtol=1e-5, atol=1e-6)
+    if not compat.TRAINER_READS_LOSS_SCALING:
+        assert trainer.model_accepts_loss_kwargs is False
+
+
+@pytest.mark.parametrize("reads_flag", [True, False])
+@pytest.mark.parametrize("scaled", [True, False, None])
+def test_trainer_hooks_copy_the_flag_only_where_the_trainer_ignores_it(monkeypatch, tmp_path, reads_flag, scaled):
+    """On the installed release (5.24 by default) both paths of the gate: below 5.19 the flag becomes
+    ``model_accepts_loss_kwargs``; from 5.19 on (and for a trainer without the flag) the Trainer's own value stays."""
+    from transformers import TrainingArguments
+
+    monkeypatch.setattr(compat, "TRAINER_READS_LOSS_SCALING", reads_flag)
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, remove_unused_columns=False)
+    trainer = _weighted_trainer(scaled)(model=_Linear(), args=args, train_dataset=_Rows())
+    own = False  # _Linear.forward takes no **kwargs
+    assert trainer.model_accepts_loss_kwargs is (own if reads_flag or scaled is None else scaled)

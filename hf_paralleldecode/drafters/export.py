@@ -19,7 +19,7 @@ The formats, and the fields each loader reads:
     * ``"transformers"``: ``MuseGlimmerAssistantModel`` layout (``encoder.fc``,
       ``encoder.output_norm_enc``): ``AutoModel.from_pretrained(dir)`` loads it without remote
       code and ``target.generate(..., assistant_model=draft, speculation_type="dflash")`` runs it
-      (transformers>=5.23). It reads ``target_layer_ids``, ``block_size`` and ``mask_token_id`` from
+      (every transformers of the tested range). It reads ``target_layer_ids``, ``block_size`` and ``mask_token_id`` from
       the config; its block holds the anchor, so its ``block_size`` is the head's ``block_size + 1``.
     * ``"speculators"``: vLLM's speculators config: no top-level ``model_type``,
       ``speculators_model_type="dflash"``, a Qwen3 ``transformer_layer_config`` (``model_type``,
