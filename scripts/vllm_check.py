@@ -43,6 +43,7 @@ METHODS = {
     "hfpd context proposer": ({"method": "custom_class",
                                "model": "hf_paralleldecode.serving.vllm.ContextProposer"}, False),
     "hfpd DEER proposer": ({"method": "custom_class", "model": "hf_paralleldecode.serving.vllm.DeerProposer"}, False),
+    "hfpd DEER proposer, no cap": ({"method": "custom_class", "model": "vllm_check.UncappedDeer"}, False),
 }
 
 
@@ -85,7 +86,7 @@ def engine(spec: dict) -> dict:
     from vllm.inputs import TokensPrompt
 
     kwargs = dict(model=spec["model"], dtype="float32", max_model_len=1024, enforce_eager=True, seed=0,
-                  max_num_seqs=max(spec["concurrency"]))
+                  max_num_seqs=max(spec["concurrency"]), disable_log_stats=False)
     if spec["speculative_config"] is not None:
         kwargs["speculative_config"] = dict(spec["speculative_config"], num_speculative_tokens=spec["k"])
     llm = LLM(**kwargs)
@@ -206,6 +207,17 @@ def _print(table: list[dict]) -> None:
         print(f"| {r['model']} | {r['method']} | {r['concurrency']} | {plain} | {r['identical_to_stock']}/{n} | "
               f"{fmt(r['mean_acceptance_length'], '.2f')} | {r['tokens_per_second']:.0f} | "
               f"{fmt(r['vs_plain'], '.2f')}x | {fmt(r['vs_ngram'], '.2f')}x |")
+
+
+
+def __getattr__(name: str):
+    """``vllm_check.UncappedDeer`` (what vLLM imports for the "no cap" row): the DEER proposer drafting at every batch
+    size, where its default drafts only while one request decodes."""
+    if name == "UncappedDeer":
+        from hf_paralleldecode.serving.vllm import DeerProposer
+
+        return type("UncappedDeer", (DeerProposer,), {"max_requests": None})
+    raise AttributeError(name)
 
 
 if __name__ == "__main__":

@@ -88,8 +88,12 @@ def _stateless(tokens: list[int], proposer) -> list[int]:
     return NgramIndex(tokens, proposer.ngram_size).chain(k, proposer.max_matches)
 
 
+class Uncapped(ContextProposer):
+    max_requests = None
+
+
 def test_context_proposer_keeps_each_requests_state_across_reordering_preemption_and_finish():
-    proposer = ContextProposer(_config())
+    proposer = Uncapped(_config())
     streams = {f"r{i}": _stream(i, 120) for i in range(7)}
     streams["twin"] = list(streams["r0"][:40]) + _stream(99, 80)  # shares r0's start, then diverges
     rows = FakeEngine(proposer, streams).run()
@@ -187,6 +191,7 @@ def test_deer_proposer_drafts_as_a_fresh_drafter_would_and_is_accepted(greedy_st
 
     class Fp32Deer(DeerProposer):
         drafter_dtype = "float32"  # the comparison below is exact in fp32
+        max_requests = None
 
     proposer, fresh = Fp32Deer(_deer_config()), Fp32Deer(_deer_config())
     # vLLM verifies greedily: a draft commits its prefix that matches the model's greedy text, then one more token
@@ -227,3 +232,15 @@ def test_deer_proposer_refuses_what_it_cannot_draft_with():
     bare.model_config.model = "/nonexistent-target"
     with pytest.raises(ValueError, match="no parallel_decoding_config.json"):
         DeerProposer(bare)
+
+
+def test_the_proposers_stop_drafting_under_load_by_default():
+    from hf_paralleldecode.serving.vllm import DeerProposer
+
+    rows = np.array([[1, 2, 3, 1, 2, 3, 1, 2]] * 5, dtype=np.int32)
+    context = ContextProposer(_config())
+    assert context.propose([[2]] * 5, np.array([8] * 5), rows) == [[]] * 5  # more than 4 requests decoding
+    assert all(context.propose([[2]] * 4, np.array([8] * 4), rows[:4]))
+    deer = DeerProposer(_deer_config())
+    assert deer.propose([[2]] * 2, np.array([8, 8]), rows[:2]) == [[], []]  # DEER drafts for one request only
+    assert len(deer.propose([[2]], np.array([8]), rows[:1])[0]) == 8

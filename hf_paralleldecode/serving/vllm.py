@@ -105,6 +105,8 @@ class TokenProposer:
 class ContextProposer(TokenProposer):
     """Multi-match context n-grams as a vLLM proposer (see the module docstring)."""
 
+    #: measured here (docs/serve.md): ahead of vLLM plain at 1 and 4 requests at once, behind it at 16 and 32
+    max_requests: int | None = 4
     #: longest suffix n-gram looked up (``context_ngram_size``)
     ngram_size: int = 3
     #: continuations merged per step (``context_matches`` / prompt lookup's ``max_matches``)
@@ -139,6 +141,9 @@ class DeerProposer(TokenProposer):
     The drafter is :attr:`drafter` (a folder, a Hub repo id or a shipped alias such as ``"default-deer"``), else the
     one named by the target's ``parallel_decoding_config.json`` (a bundle's ``drafter/`` folder, or an alias)."""
 
+    #: measured here (docs/serve.md): ahead of vLLM plain with one request decoding, behind it from 4 on (a drafter
+    #: forward per request and step)
+    max_requests: int | None = 1
     #: the DEER drafter; ``None``: the one the served checkpoint's decoding config names
     drafter: str | None = None
     #: ``"float32"``, ``"bfloat16"``, ...; ``None``: this library's CPU preset (bf16 where the CPU computes it natively)
