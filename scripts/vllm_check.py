@@ -209,7 +209,6 @@ def _print(table: list[dict]) -> None:
               f"{fmt(r['vs_plain'], '.2f')}x | {fmt(r['vs_ngram'], '.2f')}x |")
 
 
-
 def __getattr__(name: str):
     """``vllm_check.UncappedDeer`` (what vLLM imports for the "no cap" row): the DEER proposer drafting at every batch
     size, where its default drafts only while one request decodes."""
