@@ -155,13 +155,11 @@ def _add_model_args(p):
 def _prompts(args, default_count):
     from pathlib import Path
 
-    from .prompts import is_conversation, read_prompts
+    from .prompts import check_chat_option, read_prompts
 
     paths = args.prompts or [Path(__file__).parent / "assets" / "prompts" / "stdlib_test.jsonl"]
     prompts = [p for path in paths for p in read_prompts(path, args.prompt_column, conversations=True)]
-    if getattr(args, "chat_template", None) is False and any(is_conversation(p) for p in prompts):
-        raise ValueError("The prompts hold conversations (message lists), which need a chat template: drop "
-                         "--no-chat-template, or give plain text prompts.")
+    check_chat_option(prompts, getattr(args, "chat_template", None))  # before a model loads
     n = args.num_prompts or default_count
     return prompts[:n] if n else prompts
 

@@ -21,7 +21,7 @@ import json
 import os
 from pathlib import Path
 
-__all__ = ["read_prompts", "chat_prompts", "is_conversation", "PROMPT_FORMATS"]
+__all__ = ["read_prompts", "chat_prompts", "check_chat_option", "is_conversation", "PROMPT_FORMATS"]
 
 PROMPT_FORMATS = (".jsonl", ".json", ".parquet", ".txt")
 
@@ -100,6 +100,16 @@ def read_prompts(source, column: str = "prompt", conversations: bool = False) ->
     return list(rows)
 
 
+def check_chat_option(rows: list, chat_template: bool | None) -> bool:
+    """``ValueError`` for conversations with ``chat_template=False``; else whether ``rows`` hold conversations (what
+    commands check before a model loads, and :func:`chat_prompts` again)."""
+    convs = any(is_conversation(r) for r in rows)
+    if chat_template is False and convs:
+        raise ValueError("The prompts hold conversations (message lists), which need a chat template: drop "
+                         "chat_template=False (--no-chat-template), or give plain text prompts.")
+    return convs
+
+
 def chat_prompts(tokenizer, rows: list, chat_template: bool | None = None) -> tuple[list[str], str]:
     """The text the model sees for each prompt row, and the format used (``"chat_template"`` or ``"raw"``).
 
@@ -112,10 +122,7 @@ def chat_prompts(tokenizer, rows: list, chat_template: bool | None = None) -> tu
     import warnings
 
     has_template = bool(getattr(tokenizer, "chat_template", None))
-    convs = any(is_conversation(r) for r in rows)
-    if chat_template is False and convs:
-        raise ValueError("The prompts hold conversations (message lists), which need a chat template: drop "
-                         "chat_template=False (--no-chat-template), or give plain text prompts.")
+    convs = check_chat_option(rows, chat_template)
     use = chat_template if chat_template is not None else convs
     if use and not has_template:
         raise ValueError("The prompts need a chat template (conversations, or chat_template=True / --chat-template), "

@@ -52,28 +52,25 @@ def run(max_new_tokens: int = 32, num_prompts: int = 4) -> dict:
     for model_name in ("default", "default-trained"):
         model, tok = hfpd.load_default_model(model_name)
         tok.padding_side = "left"
-        batches = {"b1": [prompts[:1]], "b3": [prompts[1:4]]}
+        batches = {"b1": prompts[:1], "b3": prompts[1:4]}
         for label, kwargs in CASES:
             for sample in (False, True):
                 for adaptive in ((False,) if sample else (False, True)):  # a sampled draw depends on the shapes
-                    for bname, groups in batches.items():
-                        for group in groups:
-                            enc = tok(group, return_tensors="pt", padding=True)
-                            call = dict(kwargs, max_new_tokens=max_new_tokens, do_sample=sample,
-                                        return_dict_in_generate=True)
-                            if sample:
-                                call.update(temperature=0.8, top_k=0)
-                                torch.manual_seed(1234)
-                            call["adaptive"] = adaptive
-                            res = model.generate(**enc, **call)
-                            key = f"{model_name}|{label}|{'sample' if sample else 'greedy'}|adaptive={adaptive}|{bname}"
-                            record = {"tokens": res.sequences[:, enc["input_ids"].shape[1]:].tolist()}
-                            if not adaptive:
-                                record["forward_passes"] = getattr(res, "num_forward_passes", None)
-                                stats = getattr(res, "stats", None) or {}
-                                record["row_forwards"] = stats.get("row_forwards")
-                            out[key] = record
-                            print(key, record.get("forward_passes"), flush=True)
+                    for bname, group in batches.items():
+                        enc = tok(group, return_tensors="pt", padding=True)
+                        call = dict(kwargs, max_new_tokens=max_new_tokens, do_sample=sample, adaptive=adaptive,
+                                    return_dict_in_generate=True)
+                        if sample:
+                            call.update(temperature=0.8, top_k=0)
+                            torch.manual_seed(1234)
+                        res = model.generate(**enc, **call)
+                        key = f"{model_name}|{label}|{'sample' if sample else 'greedy'}|adaptive={adaptive}|{bname}"
+                        record = {"tokens": res.sequences[:, enc["input_ids"].shape[1]:].tolist()}
+                        if not adaptive:
+                            record["forward_passes"] = getattr(res, "num_forward_passes", None)
+                            record["row_forwards"] = (getattr(res, "stats", None) or {}).get("row_forwards")
+                        out[key] = record
+                        print(key, record.get("forward_passes"), flush=True)
     return out
 
 

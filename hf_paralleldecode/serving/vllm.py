@@ -27,9 +27,6 @@ Per-request state (the n-gram index, the drafter's cache) is kept across steps b
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import numpy as np
 import torch
 
@@ -213,11 +210,10 @@ class DeerProposer(TokenProposer):
                               choices=got)
             request.state.update(request.step, None, verdict)
             request.committed.extend(int(t) for t in new)
-        committed = torch.tensor([request.committed])
-        count = torch.tensor([len(request.committed)])
+        done = list(request.committed)  # built into tensors only if the drafter reads them (a bidirectional one)
         step = DraftStep(rows=torch.tensor([0]), roots=torch.tensor([int(tokens[-1])]),
                          root_pos=torch.tensor([tokens.shape[0] - 1]), depth=k,
-                         read_committed=lambda: (committed, count))
+                         read_committed=lambda: (torch.tensor([done]), torch.tensor([len(done)])))
         logits = request.state.marginals(step)  # [1, >= k, V]
         request.state.end_step()
         request.step = step
@@ -234,16 +230,15 @@ def _target_vocab(vllm_config) -> int:
     return vocab
 
 
-def _configured_drafter(target) -> str:
+def _configured_drafter(target):
     """The drafter the served checkpoint's ``parallel_decoding_config.json`` names (a folder of the checkpoint, an
-    alias or a repo id)."""
+    alias or a repo id), found and resolved as :func:`hf_paralleldecode.load_model` does."""
     from ..config import CONFIG_NAME
+    from ..loading import _find_config, _resolve_drafter_path
 
-    path = Path(str(target)) / CONFIG_NAME
-    name = json.loads(path.read_text()).get("drafter") if path.is_file() else None
-    if not name:
+    config = _find_config(target, {})
+    if config is None or not config.drafter:
         raise ValueError(f"DeerProposer found no drafter: {target} has no {CONFIG_NAME} naming one. Subclass "
                          "DeerProposer with drafter = '<folder, repo id or alias>' and name that class in "
                          "speculative_config['model'].")
-    local = Path(str(target)) / name
-    return str(local) if local.is_dir() else name
+    return _resolve_drafter_path(target, config.drafter)
