@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -44,6 +45,8 @@ METHODS = {
                                "model": "hf_paralleldecode.serving.vllm.ContextProposer"}, False),
     "hfpd DEER proposer": ({"method": "custom_class", "model": "hf_paralleldecode.serving.vllm.DeerProposer"}, False),
     "hfpd DEER proposer, no cap": ({"method": "custom_class", "model": "vllm_check.UncappedDeer"}, False),
+    "hfpd DEER proposer, min_confidence 0.3": ({"method": "custom_class", "model": "vllm_check.ConfidentDeer"},
+                                               False),
 }
 
 
@@ -96,17 +99,38 @@ def engine(spec: dict) -> dict:
     runs = {}
     for c in spec["concurrency"]:
         before = _counters(llm)
-        outputs, start = [], time.perf_counter()
-        for i in range(0, len(prompts), c):
-            outputs += [list(o.outputs[0].token_ids) for o in llm.generate(prompts[i:i + c], params, use_tqdm=False)]
-        seconds = time.perf_counter() - start
+        times, first = [], None
+        for _ in range(spec.get("repeats", 1)):
+            outputs, start = [], time.perf_counter()
+            for i in range(0, len(prompts), c):
+                outputs += [list(o.outputs[0].token_ids)
+                            for o in llm.generate(prompts[i:i + c], params, use_tqdm=False)]
+            times.append(time.perf_counter() - start)
+            if first is not None and outputs != first:
+                raise SystemExit(f"vLLM's outputs changed between repeats at {c} requests at once")
+            first = outputs
         after = _counters(llm)
         drafts = after["drafts"] - before["drafts"]
         accepted = after["accepted"] - before["accepted"]
-        runs[str(c)] = {"outputs": outputs, "seconds": seconds, "tokens": sum(map(len, outputs)),
-                        "drafts": drafts, "accepted": accepted,
+        runs[str(c)] = {"outputs": first, "seconds": statistics.median(times), "times": times,
+                        "tokens": sum(map(len, first)), "drafts": drafts, "accepted": accepted,
                         "mean_acceptance_length": 1 + accepted / drafts if drafts else None}
     return runs
+
+
+def _merge_rounds(rounds: list[dict]) -> dict:
+    """One method's engine runs (a round each) as one: per concurrency the first round's outputs (every round must
+    give the same: vLLM greedy is deterministic), the median round's seconds, the rounds' counters summed."""
+    out = {}
+    for c, first in rounds[0].items():
+        runs = [r[c] for r in rounds]
+        if any(r["outputs"] != first["outputs"] for r in runs):
+            raise SystemExit(f"vLLM's outputs changed between rounds at {c} requests at once")
+        drafts, accepted = sum(r["drafts"] for r in runs), sum(r["accepted"] for r in runs)
+        out[c] = {**first, "seconds": statistics.median(r["seconds"] for r in runs),
+                  "round_seconds": [r["seconds"] for r in runs], "drafts": drafts, "accepted": accepted,
+                  "mean_acceptance_length": 1 + accepted / drafts if drafts else None}
+    return out
 
 
 def _counters(llm) -> dict:
@@ -126,6 +150,10 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     p.add_argument("--k", type=int, default=8, help="num_speculative_tokens")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="engine runs per method, interleaved across the methods (tokens/s of the median round)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="timed passes over the prompts per concurrency in each engine (tokens/s of the median one)")
     p.add_argument("--out", type=Path)
     p.add_argument("--work", type=Path, help="reuse a work folder (exports, copies); default: a temporary one")
     p.add_argument("--engine", type=Path, help=argparse.SUPPRESS)  # internal: one engine, spec in this JSON file
@@ -142,29 +170,33 @@ def main(argv=None) -> int:
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"))
     table, failed = [], False
     for alias in args.models:
-        plain = None
-        results = {}
-        for method in args.methods:
-            config, base_only = METHODS[method]
-            if base_only and alias != "default":
-                continue
-            spec = {"model": prep["models"][alias], "ids": prep["prompts"][alias]["ids"],
-                    "speculative_config": None if config is None else
-                    {k: v.format(work=work) if isinstance(v, str) else v for k, v in config.items()},
-                    "k": args.k, "max_new_tokens": args.max_new_tokens, "concurrency": args.concurrency,
-                    "result": str(work / "result.json")}
-            (work / "spec.json").write_text(json.dumps(spec))
-            t0 = time.perf_counter()
-            proc = subprocess.run([sys.executable, __file__, "--engine", str(work / "spec.json")], env=env,
-                                  capture_output=True, text=True)
-            if proc.returncode != 0:
-                print(f"[vllm-check] {alias} / {method}: the engine failed\n{proc.stderr[-3000:]}", file=sys.stderr)
-                failed = True
-                table.append({"model": alias, "method": method, "error": proc.stderr[-500:]})
-                continue
-            runs = json.loads((work / "result.json").read_text())
-            results[method] = runs
-            print(f"[vllm-check] {alias} / {method}: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+        broken: set[str] = set()
+        results: dict[str, list[dict]] = {}  # method -> one engine run per round
+        for round_ in range(args.rounds):  # rounds interleave the methods: a drift hits them alike
+            for method in args.methods:
+                config, base_only = METHODS[method]
+                if base_only and alias != "default" or method in broken:
+                    continue
+                spec = {"model": prep["models"][alias], "ids": prep["prompts"][alias]["ids"],
+                        "speculative_config": None if config is None else
+                        {k: v.format(work=work) if isinstance(v, str) else v for k, v in config.items()},
+                        "k": args.k, "max_new_tokens": args.max_new_tokens, "concurrency": args.concurrency,
+                        "repeats": args.repeats, "result": str(work / "result.json")}
+                (work / "spec.json").write_text(json.dumps(spec))
+                t0 = time.perf_counter()
+                proc = subprocess.run([sys.executable, __file__, "--engine", str(work / "spec.json")], env=env,
+                                      capture_output=True, text=True)
+                if proc.returncode != 0:
+                    print(f"[vllm-check] {alias} / {method}: the engine failed\n{proc.stderr[-3000:]}",
+                          file=sys.stderr)
+                    failed = True
+                    broken.add(method)
+                    table.append({"model": alias, "method": method, "error": proc.stderr[-500:]})
+                    continue
+                results.setdefault(method, []).append(json.loads((work / "result.json").read_text()))
+                print(f"[vllm-check] {alias} / {method} (round {round_ + 1}): {time.perf_counter() - t0:.0f} s",
+                      file=sys.stderr)
+        results = {m: _merge_rounds(r) for m, r in results.items() if m not in broken}
         plain = results.get("plain")
         ngram = results.get("ngram")
         stock = prep["prompts"][alias]["stock"]
@@ -180,7 +212,8 @@ def main(argv=None) -> int:
                        "identical_to_vllm_plain": same_plain, "identical_to_stock": same_stock,
                        "mean_acceptance_length": run["mean_acceptance_length"], "tokens_per_second": tps,
                        "vs_plain": None if plain is None else tps / (plain[c]["tokens"] / plain[c]["seconds"]),
-                       "vs_ngram": None if ngram is None else tps / (ngram[c]["tokens"] / ngram[c]["seconds"])}
+                       "vs_ngram": None if ngram is None else tps / (ngram[c]["tokens"] / ngram[c]["seconds"]),
+                       "tokens_per_second_by_round": [run["tokens"] / t for t in run["round_seconds"]]}
                 table.append(row)
     _print(table)
     if args.out:
@@ -188,7 +221,7 @@ def main(argv=None) -> int:
 
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"vllm": vllm.__version__, "k": args.k, "max_new_tokens": args.max_new_tokens,
-                                        "rows": table}, indent=1))
+                                        "repeats": args.repeats, "rounds": args.rounds, "rows": table}, indent=1))
     print("PASS" if not failed else "FAIL: an output differs or an engine failed (above)")
     return 1 if failed else 0
 
@@ -209,13 +242,18 @@ def _print(table: list[dict]) -> None:
               f"{fmt(r['vs_plain'], '.2f')}x | {fmt(r['vs_ngram'], '.2f')}x |")
 
 
+#: the DEER proposer with one default changed, for the rows that show what the default buys: drafting at every batch
+#: size (its default drafts only while one request decodes), and chains cut where the drafter's confidence falls
+#: below 0.3 (its default drafts num_speculative_tokens)
+VARIANTS = {"UncappedDeer": {"max_requests": None}, "ConfidentDeer": {"min_confidence": 0.3}}
+
+
 def __getattr__(name: str):
-    """``vllm_check.UncappedDeer`` (what vLLM imports for the "no cap" row): the DEER proposer drafting at every batch
-    size, where its default drafts only while one request decodes."""
-    if name == "UncappedDeer":
+    """``vllm_check.UncappedDeer`` / ``vllm_check.ConfidentDeer``: what vLLM imports for those rows (``VARIANTS``)."""
+    if name in VARIANTS:
         from hf_paralleldecode.serving.vllm import DeerProposer
 
-        return type("UncappedDeer", (DeerProposer,), {"max_requests": None})
+        return type(name, (DeerProposer,), VARIANTS[name])
     raise AttributeError(name)
 
 

@@ -514,12 +514,12 @@ def test_batch_16_of_mixed_lengths_is_exact_with_the_policys_own_choices(decodin
 def test_at_a_large_batch_a_small_predicted_gain_keeps_the_plain_step():
     policy = BatchPolicy(shapes_from(4, 16, 20, True))
     policy.tokens, policy.own[0] = [100.0, 60.0, 40.0, 30.0, 20.0], [100.0, 20.0]
-    for rows, chain_seconds, expected in ((16, 0.055, 4), (16, 0.040, 1), (4, 0.055, 1)):
+    for rows, chain_seconds, expected in ((16, 0.058, 4), (16, 0.055, 1), (16, 0.040, 1), (4, 0.058, 1)):
         b = BatchPolicy.bucket(rows)
         policy.times = {(b, 0): [0.5] * 3, (b, 1): [chain_seconds] * 3, (b, 2): [1.0] * 3, (b, 3): [1.0] * 3,
                         (b, 4): [0.020] * 3}
-        # chain 8 against the plain step: 0.6 / 0.055 = 10.9 is 9% above 0.2 / 0.020 = 10 (not enough at 16 rows);
-        # 0.6 / 0.040 = 15 is 50% above; at 4 rows any gain counts
+        # chain 8 against the plain step: 0.6 / 0.058 = 10.3 is 3% above 0.2 / 0.020 = 10 (not enough at 16 rows);
+        # 0.6 / 0.055 = 10.9 is 9% above (a measured shape needs 5%); at 4 rows any gain counts
         assert policy.choose(rows) == expected
 
 
@@ -817,7 +817,7 @@ def test_a_large_batch_measures_the_narrowest_hopeful_chain_first_and_its_time_f
     b = BatchPolicy.bucket(64)
     policy.tokens = [100.0, 60.0, 45.0, 30.0, 15.0]
     policy.own[0] = [100.0, 20.0]
-    policy.times[(b, 0)] = [3.0] * 2  # the tree: 3 s at 64 rows
+    policy.times[(b, 0)] = [3.5] * 2  # the tree: 3.5 s at 64 rows
     policy.times[(b, 4)] = [0.5] * 2  # the plain step
     assert policy.choose(64) == 3  # the chain of 2 first, not the (more promising on paper) chain of 8
     policy.times[(b, 3)] = [1.0] * 2  # 0.30 / 1.0 loses to the plain step's 0.15 / 0.5 (with the margin)
@@ -826,3 +826,71 @@ def test_a_large_batch_measures_the_narrowest_hopeful_chain_first_and_its_time_f
     policy.times[(b, 2)] = [1.5] * 2
     assert policy.floor(b, 1) == pytest.approx(1.5 + 4 * 0.5 / 2)  # 9 nodes: the slope from 3 to 5 nodes, extrapolated
     assert policy.choose(64) == 4  # the chain of 8 (0.6 / 2.5) cannot beat the plain step: never measured
+
+
+def test_at_a_large_batch_one_clean_step_that_lost_by_more_than_a_warm_up_is_not_taken_again():
+    """From ``margin_rows`` rows on a shape's own fastest step in the bucket, over ``stale``, floors its time: the 1B
+    base twin at 16 rows took 0.95 s for a tree step whose tokens, 5.3 plain steps' worth, a plain step commits in
+    0.125 s; the tree was taken three times more to be sure (4 s of a 14 s call). A step that also read the prompt
+    into the drafter does not count, and at fewer rows (where a warm-up can be most of a step) nothing changes."""
+    policy = BatchPolicy(shapes_from(4, 16, 20, True))
+    b = BatchPolicy.bucket(16)
+    policy.tokens, policy.own[0] = [100.0, 62.9, 50.4, 39.4, 18.7], [100.0, 20.0]
+    _bucket_times(policy, 16, [None, None, 0.323, 0.233, 0.125])
+    rates = {i: policy.relative_tokens(i) / policy.seconds(b, i) for i in (2, 3, 4)}
+    policy.steps.record(b, 0, 2.4, setup=True)  # the call's first drafting step: the drafter read the prompt too
+    assert policy.floor(b, 0) == pytest.approx(0.323) and policy.hopeful(b, 16, 0, rates)  # (chain of 4's time)
+    policy.steps.record(b, 0, 0.955)
+    assert policy.floor(b, 0) == pytest.approx(0.955 / 1.5) and not policy.hopeful(b, 16, 0, rates)
+    policy.since_tree = 100  # the gap has passed, the tree has fewer than three steps: no revisit, it cannot win
+    assert policy.choose(16) != 0
+    again = BatchPolicy(shapes_from(4, 16, 20, True), memory=None)
+    again.steps = type(policy.steps)(again.shapes, again.tuning, policy.steps.state())
+    assert again.floor(b, 0) == pytest.approx(0.955 / 1.5)  # kept for the next call
+    small = BatchPolicy(shapes_from(4, 16, 20, True))
+    small.steps.record(BatchPolicy.bucket(4), 0, 0.955)
+    assert small.floor(BatchPolicy.bucket(4), 0) == 0.0
+
+
+def test_the_tail_reads_a_shapes_unmeasured_smaller_steps_off_the_curve_by_tokens_fed():
+    """A batch drains through buckets where a chain never ran (it shrank under plain steps): there its time is read
+    off the step-time curve by tokens fed, between the plain steps' times and its own at full size, not taken as the
+    full step's. 1B base twin, bf16, 16 rows: plain 0.14 s, chain of 2 0.26 s; at 8 rows the chain feeds 24 tokens."""
+    policy = BatchPolicy(shapes_from(4, 16, 20, True))
+    chain2, plain = 3, 4
+    _bucket_times(policy, 16, [None, None, None, 0.26, 0.14])
+    for rows, t in ((1, 0.085), (2, 0.09), (4, 0.11), (8, 0.13)):
+        policy.times[(BatchPolicy.bucket(rows), plain)] = [t] * 2
+    b = BatchPolicy.bucket(16)
+    drain = policy.steps.drain(b, chain2, 0.26)
+    assert drain[3] == pytest.approx(0.14 + 0.12 * (24 - 16) / (48 - 16))  # 8 rows: 24 tokens, on the line
+    assert drain[2] == pytest.approx(0.13)  # 4 rows: 12 tokens, about what the 8-row plain step feeds
+    assert drain[0] == pytest.approx(0.09)  # 1 row: 3 tokens, the 2-row plain step's time
+    policy.times[(BatchPolicy.bucket(8), chain2)] = [0.20] * 2  # measured: its own time
+    assert policy.steps.drain(b, chain2, 0.26)[3] == pytest.approx(0.20)
+    assert policy.steps.drain(b, plain, 0.14) == [policy.seconds(k, plain) for k in range(b)]
+    # a host-bound curve (plain steps cost the same at every batch) keeps the drain near the full step's cost
+    flat = BatchPolicy(shapes_from(4, 16, 20, True))
+    _bucket_times(flat, 16, [None, None, None, 0.015, 0.010])
+    for rows in (1, 2, 4, 8):
+        flat.times[(BatchPolicy.bucket(rows), plain)] = [0.010] * 2
+    assert all(t >= 0.010 for t in flat.steps.drain(b, chain2, 0.015))
+    # and the tail factor follows: draining steps that cost less lose less
+    policy.times.pop((BatchPolicy.bucket(8), chain2))
+    policy.tokens, policy.own[0], policy.squares = [100.0, 60.0, 45.0, 30.0, 15.0], [100.0, 50.0], None
+    policy.paired_rows = 50.0
+    policy.squares = [t * t / 50.0 * 1.3 for t in policy.tokens]  # a spread of tokens per row-step
+    policy.remaining = 60.0
+    with_curve = policy.tail_factor(b, 16, chain2)
+    full = tail_factor_of(policy, b, chain2)
+    assert full < with_curve <= 1.0
+
+
+def tail_factor_of(policy, b, shape):
+    """The tail factor with every smaller bucket at the full step's time (what the policy used before)."""
+    from hf_paralleldecode.decoding.policy import tail
+
+    mu = policy.tokens[shape] / policy.paired_rows
+    sigma = max(policy.squares[shape] / policy.paired_rows - mu * mu, 0.0) ** 0.5
+    full = policy.steps.estimate(b, shape)
+    return tail.tail_factor(16, policy.remaining, mu, sigma, full, [None] * b)

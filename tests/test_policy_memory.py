@@ -171,15 +171,15 @@ def test_a_models_calls_are_timed_on_its_memorys_clock():
 def test_the_tuning_is_one_frozen_documented_and_checked_object():
     tuning = PolicyTuning()
     assert (tuning.decay, tuning.prior, tuning.min_samples, tuning.window, tuning.max_gap, tuning.explore_share,
-            tuning.margin_rows, tuning.margin, tuning.tree_margin, tuning.decisive, tuning.stale) == (
-        0.98, 1.0, 2, 8, 256, 0.01, 8, 0.15, 0.05, 2.0, 1.5)
+            tuning.margin_rows, tuning.margin, tuning.explore_margin, tuning.tree_margin, tuning.decisive,
+            tuning.stale) == (0.98, 1.0, 2, 8, 256, 0.01, 8, 0.05, 0.15, 0.05, 2.0, 1.5)
     assert all(f.metadata.get("help") for f in fields(PolicyTuning))
     assert BatchPolicy(shapes_from(1, 4, 4, False)).tuning == tuning
     with pytest.raises(FrozenInstanceError):
         tuning.margin = 0.3
     for bad, name in [(dict(window=1), "window"), (dict(decay=0.0), "decay"), (dict(margin=-0.1), "margin"),
                       (dict(min_samples=0), "min_samples"), (dict(margin_rows=True), "margin_rows"),
-                      (dict(stale=0.5), "stale")]:
+                      (dict(stale=0.5), "stale"), (dict(margin=0.2), "explore_margin")]:
         with pytest.raises(ValueError, match=f"PolicyTuning.{name} must be"):
             PolicyTuning(**bad)
 
@@ -210,12 +210,14 @@ def _drive(tuning, rows=8, seconds=(0.028, 0.010), steps=60):
 def test_another_tuning_changes_the_decisions_on_a_fake_clock():
     default = _drive(PolicyTuning())
     assert _drive(PolicyTuning()) == default  # the clock is the test's: the same run twice
-    assert default.count(0) <= 5  # from 8 rows a 7% gain does not beat the 15% margin: plain steps, rare revisits
+    assert default.count(0) >= 50  # from 8 rows a measured 7% gain beats the 5% margin: the tree
+    strict = _drive(PolicyTuning(margin=0.15))  # a 15% margin: plain steps, rare revisits
+    assert strict.count(0) <= 5
     assert _drive(PolicyTuning(margin=0.0)).count(0) >= 50  # no margin: the tree wins
-    assert _drive(PolicyTuning(margin_rows=16)).count(0) >= 50  # below the margin's rows, any gain counts
+    assert _drive(PolicyTuning(margin=0.15, margin_rows=16)).count(0) >= 50  # below the margin's rows, any gain
     # min_samples: the tree is timed twice before its time is trusted, or once
-    assert [i for i, p in enumerate(default[:10]) if p == 0] == [0, 3]
-    assert [i for i, p in enumerate(_drive(PolicyTuning(min_samples=1))[:10]) if p == 0] == [0]
+    assert [i for i, p in enumerate(strict[:10]) if p == 0] == [0, 3]
+    assert [i for i, p in enumerate(_drive(PolicyTuning(margin=0.15, min_samples=1))[:10]) if p == 0] == [0]
 
 
 # ---- the old import paths ----------------------------------------------------------------------------------------

@@ -244,3 +244,78 @@ def test_the_proposers_stop_drafting_under_load_by_default():
     deer = DeerProposer(_deer_config())
     assert deer.propose([[2]] * 2, np.array([8, 8]), rows[:2]) == [[], []]  # DEER drafts for one request only
     assert len(deer.propose([[2]], np.array([8]), rows[:1])[0]) == 8
+
+
+def _fp32(cls, **settings):
+    return type(cls.__name__, (cls,), {"drafter_dtype": "float32", "max_requests": None, **settings})
+
+
+def test_deer_chain_is_cut_where_the_drafters_confidence_falls(greedy_streams):
+    import torch
+
+    from hf_paralleldecode.serving.vllm import DeerProposer
+
+    full, cut = _fp32(DeerProposer)(_deer_config()), _fp32(DeerProposer, min_confidence=0.3)(_deer_config())
+    assert full.min_confidence is None  # the default: 0.3 measured no faster in vLLM here (docs/serve.md)
+    shorter = 0
+    for prompt_len, stream in greedy_streams:
+        for n in range(prompt_len + 1, len(stream), 5):
+            tokens = np.array([stream[:n]], dtype=np.int32)
+            a = full.propose([[1]], np.array([n]), tokens)[0]
+            b = cut.propose([[1]], np.array([n]), tokens)[0]
+            assert len(a) == 8 and b == a[: len(b)]
+            shorter += len(b) < len(a)
+    assert shorter  # some depth of some step falls below 0.3
+    logits = torch.full((4, 10), -10.0)
+    logits[:, 3] = 5.0
+    logits[2] = 0.0  # depth 3 is a uniform guess (probability 0.1)
+    assert cut.chain_of(logits) == [3, 3]
+    assert full.chain_of(logits) == [3, 3, 0, 3]
+
+
+@pytest.mark.parametrize("bad", [{"min_confidence": 1.0}, {"min_confidence": -0.1}, {"max_catch_up": 0}])
+def test_deer_proposer_refuses_bad_settings(bad):
+    from hf_paralleldecode.serving.vllm import DeerProposer
+
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        type("Bad", (DeerProposer,), bad)(_deer_config())
+
+
+def test_deer_proposer_restarts_a_state_that_lags_too_far(greedy_streams):
+    from hf_paralleldecode.serving.vllm import DeerProposer
+
+    prompt_len, stream = greedy_streams[0]
+    proposer = _fp32(DeerProposer, max_catch_up=4)(_deer_config())
+    n = prompt_len + 1
+    tokens = np.array([stream], dtype=np.int32)
+    proposer.propose([[1]], np.array([n]), tokens)
+    (entry,) = [e for entries in proposer.requests._by_key.values() for e in entries]
+    state = entry.state.state
+    proposer.propose([[1]], np.array([n + 3]), tokens)  # 3 new tokens: caught up in the same state
+    assert entry.state.state is state
+    proposer.propose([[1]], np.array([n + 9]), tokens)  # 6 more: past max_catch_up, a fresh state
+    assert entry.state.state is not state
+    fresh = _fp32(DeerProposer)(_deer_config())
+    assert proposer.propose([[1]], np.array([n + 12]), tokens) == fresh.propose([[1]], np.array([n + 12]), tokens)
+
+
+def test_the_serve_page_shows_the_engine_and_proposers_vllm_check_runs():
+    import importlib.util
+    import re
+
+    root = Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location("vllm_check", root / "scripts" / "vllm_check.py")
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)  # (vLLM itself is imported only inside its functions)
+    page = (root / "docs" / "serve.md").read_text()
+    source = (root / "scripts" / "vllm_check.py").read_text()
+    engine = 'dtype="float32", max_model_len=1024, enforce_eager=True'
+    assert engine in page and engine in source  # the LLM(...) of the page's examples is the check's
+    ours = {c["model"] for c, _ in check.METHODS.values() if c and c.get("model", "").startswith("hf_paralleldecode.")}
+    assert ours == {"hf_paralleldecode.serving.vllm.ContextProposer", "hf_paralleldecode.serving.vllm.DeerProposer"}
+    for path in ours:
+        assert path.rsplit(".", 1)[1] in page
+    assert '"method": "custom_class"' in page
+    for command in re.findall(r"`(bash scripts/vllm-check\.sh[^`]*)`", page):
+        options = set(re.findall(r"--[a-z-]+", command))
+        assert options <= set(re.findall(r'"(--[a-z-]+)"', source)), command  # every option the page shows exists

@@ -122,18 +122,19 @@ class ContextProposer(TokenProposer):
 
 
 class _DeerRequest:
-    """One request's DEER state: the drafter's per-call state at batch 1 (its cache of the request's tokens), the
-    tokens committed since that state began, the last step drafted and the chain it gave."""
+    """One request's DEER state: the drafter's per-call state at batch 1 (made at the request's first draft, fed the
+    request's tokens as they come), the tokens committed since it began and the last chain drafted."""
 
-    __slots__ = ("state", "committed", "step", "chain")
+    __slots__ = ("state", "committed", "chain")
 
-    def __init__(self, state, first: int):
-        self.state, self.committed, self.step, self.chain = state, [first], None, []
+    def __init__(self):
+        self.state, self.committed, self.chain = None, [], []
 
 
 class DeerProposer(TokenProposer):
     """A DEER diffusion drafter as a vLLM proposer (see the module docstring): each drafting request's block of
-    ``num_speculative_tokens`` masks is denoised once after its last token, and the chain is the argmax per depth.
+    ``num_speculative_tokens`` masks is denoised once after its last token, and the chain is the argmax per depth
+    (cut where the drafter's confidence falls below :attr:`min_confidence`, if set).
 
     The drafter is :attr:`drafter` (a folder, a Hub repo id or a shipped alias such as ``"default-deer"``), else the
     one named by the target's ``parallel_decoding_config.json`` (a bundle's ``drafter/`` folder, or an alias)."""
@@ -145,8 +146,12 @@ class DeerProposer(TokenProposer):
     drafter: str | None = None
     #: ``"float32"``, ``"bfloat16"``, ...; ``None``: this library's CPU preset (bf16 where the CPU computes it natively)
     drafter_dtype: str | None = None
-    #: a request whose state lags by more tokens than this (steps it did not draft) starts a fresh state
-    max_catch_up: int = 16
+    #: a request whose drafter state lags by more tokens than this (steps it did not draft) starts a fresh state
+    max_catch_up: int = 64
+    #: cut the chain before the first depth the drafter gives less than this probability (a shorter chain for the
+    #: target to verify); ``None``: always ``num_speculative_tokens``. 0.3 measured no faster here (docs/serve.md):
+    #: on this CPU vLLM's verification of 9 tokens costs hardly more than of 5
+    min_confidence: float | None = None
 
     def __init__(self, vllm_config):
         super().__init__(vllm_config)
@@ -154,6 +159,11 @@ class DeerProposer(TokenProposer):
         from ..drafters.loading import DRAFTER_DTYPES, load_drafter
         from ..hardware import device_preset
 
+        if self.min_confidence is not None and not 0.0 <= self.min_confidence < 1.0:
+            raise ValueError(f"{type(self).__name__}.min_confidence must be None or in [0, 1), got "
+                             f"{self.min_confidence!r}.")
+        if not isinstance(self.max_catch_up, int) or self.max_catch_up < 1:
+            raise ValueError(f"{type(self).__name__}.max_catch_up must be an integer >= 1, got {self.max_catch_up!r}.")
         source = self.drafter if self.drafter is not None else _configured_drafter(vllm_config.model_config.model)
         dtype = self.drafter_dtype or device_preset("cpu")[1]["speculative"]["drafter_dtype"]
         dtype = DRAFTER_DTYPES.get(dtype, torch.float32)
@@ -170,11 +180,45 @@ class DeerProposer(TokenProposer):
         if self.deer.vocab_size < self.vocab:
             raise ValueError(f"The DEER drafter's vocabulary ({self.deer.vocab_size} rows) is smaller than the served "
                              f"model's ({self.vocab}): it was not built for this model.")
+        self.drafter_forwards = 0  # drafter forwards (one per drafting request and step)
 
-    def new_state(self, tokens: np.ndarray):
-        return None  # made at the request's first drafting step (_start), which knows its tokens
+    def new_state(self, tokens: np.ndarray) -> _DeerRequest:
+        return _DeerRequest()
 
-    def _start(self, tokens: np.ndarray) -> _DeerRequest:
+    def draft_rows(self, rows):
+        out = []
+        with torch.inference_mode():
+            for entry, tokens, k in rows:
+                out.append(self._draft(entry, tokens, k) if k > 0 else [])
+        return out
+
+    def _draft(self, entry: Entry, tokens: np.ndarray, k: int) -> list[int]:
+        request: _DeerRequest = entry.state
+        new = tokens[entry.tokens.shape[0]:]
+        if new.shape[0] == 0 and entry.tokens.shape[0]:
+            return request.chain  # a stream another slot with the same tokens drafted this step
+        self._feed(request, entry.tokens.shape[0], new)
+        request.chain = self._deer_chain(request, tokens, k)
+        return request.chain
+
+    def _feed(self, request: _DeerRequest, known: int, new: np.ndarray) -> None:
+        """Queue ``new`` (the tokens committed after the first ``known``) for the drafter's next forward; a state that
+        would lag by more than :attr:`max_catch_up` tokens is dropped (the next draft starts afresh)."""
+        if request.state is None:
+            return
+        pending = getattr(request.state, "pending", None)  # (a bidirectional drafter reads the committed tokens)
+        if (0 if pending is None else pending[0].shape[1]) + new.shape[0] > self.max_catch_up:
+            request.state = None
+            return
+        from ..engine.verify import Verdict
+
+        got = torch.as_tensor(new, dtype=torch.long)[None]
+        verdict = Verdict(path=torch.zeros_like(got), num_accepted=torch.tensor([got.shape[1] - 1]), tokens=got,
+                          choices=got)
+        request.state.update(_Position(known - 1), None, verdict)
+        request.committed.extend(int(t) for t in new)
+
+    def _start(self, request: _DeerRequest, tokens: np.ndarray) -> None:
         from ..drafters.context import DrafterContext
 
         n = tokens.shape[0]
@@ -185,40 +229,41 @@ class DeerProposer(TokenProposer):
                                  prompt_lengths=torch.tensor([n - 1]), first_tokens=torch.tensor([int(tokens[-1])]),
                                  first_positions=torch.tensor([n - 1]), taps=None, vocab=self.vocab,
                                  device=torch.device("cpu"), dtype=torch.float32)
-        return _DeerRequest(self.deer.start(context, self.k), int(tokens[-1]))
+        request.state = self.deer.start(context, self.k)
+        request.state.max_catch_up = None  # the proposer bounds the lag itself (max_catch_up)
+        request.committed = [int(tokens[-1])]
 
-    def draft_rows(self, rows):
-        out = []
-        with torch.inference_mode():
-            for entry, tokens, k in rows:
-                out.append(self._draft(entry, tokens, k) if k > 0 else [])
-        return out
-
-    def _draft(self, entry: Entry, tokens: np.ndarray, k: int) -> list[int]:
+    def _deer_chain(self, request: _DeerRequest, tokens: np.ndarray, k: int) -> list[int]:
         from ..drafters.context import DraftStep
-        from ..engine.verify import Verdict
 
-        request: _DeerRequest | None = entry.state
-        new = tokens[entry.tokens.shape[0]:]
-        if request is not None and new.shape[0] == 0:
-            return request.chain  # a stream another slot with the same tokens drafted this step
-        if request is None or request.step is None or new.shape[0] > self.max_catch_up:
-            request = entry.state = self._start(tokens)
-        else:  # the tokens committed since its last step: that step's accepted drafts and vLLM's bonus token
-            got = torch.as_tensor(new, dtype=torch.long)[None]
-            verdict = Verdict(path=torch.zeros_like(got), num_accepted=torch.tensor([got.shape[1] - 1]), tokens=got,
-                              choices=got)
-            request.state.update(request.step, None, verdict)
-            request.committed.extend(int(t) for t in new)
-        done = list(request.committed)  # built into tensors only if the drafter reads them (a bidirectional one)
+        if request.state is None:
+            self._start(request, tokens)
+        done = request.committed  # built into tensors only if the drafter reads them (a bidirectional one)
         step = DraftStep(rows=torch.tensor([0]), roots=torch.tensor([int(tokens[-1])]),
                          root_pos=torch.tensor([tokens.shape[0] - 1]), depth=k,
                          read_committed=lambda: (torch.tensor([done]), torch.tensor([len(done)])))
         logits = request.state.marginals(step)  # [1, >= k, V]
         request.state.end_step()
-        request.step = step
-        request.chain = logits[0, :k].argmax(-1).tolist()
-        return request.chain
+        self.drafter_forwards += 1
+        return self.chain_of(logits[0, :k])
+
+    def chain_of(self, logits: torch.Tensor) -> list[int]:
+        """The chain drafted from the denoised block's logits (``[k, V]``): the argmax per depth, cut before the first
+        depth whose probability is below :attr:`min_confidence`."""
+        if self.min_confidence is None:
+            return logits.argmax(-1).tolist()
+        confidence, ids = logits.float().softmax(-1).max(-1)
+        low = (confidence < self.min_confidence).nonzero()
+        return ids[: int(low[0, 0]) if low.numel() else ids.shape[0]].tolist()
+
+
+class _Position:
+    """What :meth:`DiffusionState.update` reads of a step: the position of the last token the state was fed."""
+
+    __slots__ = ("root_pos",)
+
+    def __init__(self, last: int):
+        self.root_pos = torch.tensor([last])
 
 
 def _target_vocab(vllm_config) -> int:

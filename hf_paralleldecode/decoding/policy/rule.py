@@ -45,9 +45,10 @@ The rule
       step times at fewer rows.
 
     A chain must be predicted ``tree_margin`` (5%) faster than the configured tree to replace it: its paired tokens
-    flatter it a little. From ``margin_rows`` active rows on, a shape must be predicted ``margin`` faster than the
-    plain step: rows that speculate fall out of step, and the tail is predicted from a model, while the plain step's
-    cost is certain. The constants are one :class:`~.tuning.PolicyTuning`.
+    flatter it a little. From ``margin_rows`` active rows on, a shape must be predicted ``margin`` (5%) faster than
+    the plain step to be used (the tail is predicted from a model, while the plain step's cost is certain), and its
+    floor ``explore_margin`` (15%) faster to be measured at all: at a large batch a step that loses costs several
+    plain steps, and a floor is only a bound. The constants are one :class:`~.tuning.PolicyTuning`.
 
     Measurements carry over to the next call of the same owner (the drafter, or the model) with the same device,
     dtype and shapes (:mod:`.memory`), so a server's first call pays the exploration once.
@@ -166,12 +167,14 @@ class BatchPolicy:
         own = self.own[shape]
         return own[0] / own[1] if own[1] > 0 else 0.0
 
-    def threshold(self, bucket: int, rows: int, rates: dict) -> float:
-        """The rate a shape must be predicted to beat to be used: the best of ``rates`` (shape -> rate), and from
-        ``margin_rows`` rows on ``1 + margin`` times the plain step's."""
+    def threshold(self, bucket: int, rows: int, rates: dict, explore: bool = True) -> float:
+        """The rate a shape must be predicted to beat: the best of ``rates`` (shape -> rate), and from ``margin_rows``
+        rows on ``1 + explore_margin`` times the plain step's for a shape to be measured (``explore``: its rate is
+        then its floor's, a bound), ``1 + margin`` times it for a measured shape to be used."""
         best = max(rates.values()) if rates else 0.0
         if self.plain in rates and rows >= self.tuning.margin_rows:
-            best = max(best, (1 + self.tuning.margin) * rates[self.plain])
+            margin = self.tuning.explore_margin if explore else self.tuning.margin
+            best = max(best, (1 + margin) * rates[self.plain])
         return best
 
     def optimistic(self, bucket: int, shape: int) -> float:
@@ -199,7 +202,8 @@ class BatchPolicy:
 
     def tail_factor(self, bucket: int, rows: int, shape: int, full: float | None = None) -> float:
         """The share of ``shape``'s per-step rate left over a whole static batch (:func:`~.tail.tail_factor`), from
-        the spread of its paired tokens per row-step and its step times at fewer rows. 1.0 for the plain step (every
+        the spread of its paired tokens per row-step and its step times at fewer rows (:meth:`~.times.StepTimes.drain`:
+        measured, else read off the plain step's curve by tokens fed). 1.0 for the plain step (every
         row commits one token), for one row, and while nothing is known of the spread or the rows' remaining tokens.
         ``full``: the shape's step time in ``bucket`` if the caller has it (:meth:`estimate`)."""
         s = self.shapes[shape]
@@ -212,8 +216,7 @@ class BatchPolicy:
         full = self.steps.estimate(bucket, shape) if full is None else full
         if full is None:
             return 1.0
-        smaller = [self.steps.estimate(k, shape) for k in range(bucket)]
-        return tail.tail_factor(rows, self.remaining, mu, sigma, full, smaller)
+        return tail.tail_factor(rows, self.remaining, mu, sigma, full, self.steps.drain(bucket, shape, full))
 
     def choose(self, rows: int) -> int:
         """The shape (index into ``shapes``) of the next step of a batch of ``rows`` active rows."""
@@ -235,7 +238,8 @@ class BatchPolicy:
             best = max(rate, key=rate.get)
             if best not in (0, self.plain) and 0 in rate and rate[best] < (1 + tuning.tree_margin) * rate[0]:
                 best = 0  # a close race: a chain's paired tokens flatter it a little, the tree's are its own
-            if self.plain in rate and rate[best] < self.threshold(b, rows, {self.plain: rate[self.plain]}):
+            if self.plain in rate and rate[best] < self.threshold(b, rows, {self.plain: rate[self.plain]},
+                                                                  explore=False):
                 best = self.plain  # a small predicted gain at a large batch: the plain step's cost is certain
             if best == 0:
                 self.gap, self.budget = self.explore_every, 0.0

@@ -50,10 +50,14 @@ class StepTimes:
         self.times: dict[tuple[int, int], list[float]] = (
             {k: list(v) for k, v in known["times"].items()} if known else {})
         self.best_seen: dict[tuple[int, int], float] = dict(known.get("best_seen", {})) if known else {}
+        # per (bucket, shape): the fastest step that did not also read the prompt into the drafter (see floor)
+        self.clean: dict[tuple[int, int], float] = dict(known.get("clean", {})) if known else {}
+        self.large = bucket(tuning.margin_rows)  # the first bucket where a shape's own first steps floor it
 
     def state(self) -> dict:
         """What a later call starts from (``known``)."""
-        return {"times": {k: list(v) for k, v in self.times.items()}, "best_seen": dict(self.best_seen)}
+        return {"times": {k: list(v) for k, v in self.times.items()}, "best_seen": dict(self.best_seen),
+                "clean": dict(self.clean)}
 
     def record(self, bucket: int, shape: int, seconds: float, setup: bool = False) -> None:
         """A step of ``shape`` in ``bucket`` took ``seconds``. ``setup``: the call's first step with a drafter forward
@@ -68,6 +72,8 @@ class StepTimes:
             t.clear()  # the window's steps ran under conditions that have passed
         t.append(seconds)
         self.best_seen[(bucket, shape)] = min(self.best_seen.get((bucket, shape), seconds), seconds)
+        if not setup:
+            self.clean[(bucket, shape)] = min(self.clean.get((bucket, shape), seconds), seconds)
         del t[: -self.tuning.window]
 
     def seconds(self, bucket: int, shape: int) -> float | None:
@@ -108,6 +114,32 @@ class StepTimes:
                 return min(larger + ([own] if own is not None else []))
         return own
 
+    def drain(self, bucket: int, shape: int, full: float) -> list[float | None]:
+        """``shape``'s step time in each bucket below ``bucket``, from one row up, for the tail of a batch that drains
+        through them: its own trusted time where it has one; else read off the step-time curve by tokens fed, between the
+        plain step's times (a step of ``r`` rows feeds ``r`` tokens) and ``full``, the shape's time in ``bucket``
+        (``rows x (budget + 1)`` tokens there). A chain at 16 rows of a 1B model's bf16 CPU cost took 0.26 s and a
+        plain step 0.14 s: at 8 rows it feeds 24 tokens, and the curve puts it near 0.17 s, not 0.26 (a host-bound
+        model's flat curve keeps it near ``full``). ``None``: nothing to read it from (``full`` stands in)."""
+        nodes = self.shapes[shape].budget + 1
+        plain = {k: self.seconds(k, self.plain) for k in range(bucket + 1)
+                 if self.plain is not None and self.seconds(k, self.plain) is not None}
+        rows = 2 ** bucket  # (a bucket's times stand for its smallest batch)
+        out: list[float | None] = []
+        for k in range(bucket):
+            own = self.seconds(k, shape) if self.trusted(k, shape) else None  # (not a larger bucket's time)
+            if own is not None or bucket not in plain or self.shapes[shape].plain:
+                out.append(own)
+                continue
+            fed = 2 ** k * nodes
+            if fed >= rows:  # between the plain step here (rows tokens) and the shape here (rows x nodes)
+                t = plain[bucket] + (full - plain[bucket]) * (fed - rows) / max(rows * nodes - rows, 1)
+            else:  # fewer tokens than a plain step here feeds: the plain step of the bucket feeding about as many
+                below = [plain[j] for j in range(bucket) if j in plain and 2 ** j <= fed]
+                t = below[-1] if below else plain[bucket]
+            out.append(min(max(t, plain.get(k, 0.0)), full))
+        return out
+
     def ratio(self, bucket: int, shape: int) -> float | None:
         """``shape``'s step time over the plain step's in ``bucket``, both trusted (``None``: not known)."""
         if self.plain is None or not (self.trusted(bucket, shape) and self.trusted(bucket, self.plain)):
@@ -126,7 +158,11 @@ class StepTimes:
           the plain step does not shrink: the plain step's time here times that ratio in a smaller bucket bounds it.
 
         The floor is the largest of these, of the shape's time at any smaller batch (more rows are never faster), of
-        the plain step's time here, and of what the measured shapes here that draft alike and feed fewer nodes say:
+        the plain step's time here, from ``margin_rows`` rows on of the shape's own fastest step here over ``stale``
+        (there a step is mostly the forward's compute: a warm-up adds little, and one step of a tree that lost by 3x
+        at 16 rows of a 1B model's CPU cost, a second of a call of 14, is not taken twice more to be sure; a step that
+        also read the prompt into the drafter does not count), and of what the measured shapes here that draft alike
+        and feed fewer nodes say:
         more nodes are never faster, and between shapes of one kind (chains) the time per node does not shrink on
         the convex curve (a chain of 2 and a chain of 4 that took 1.0 and 1.5 s at 64 rows put the chain of 8 at
         2.5 s at least; a tree's host work differs from a chain's, so chains bound a tree only by their time). On this CPU (JF model) the configured
@@ -155,4 +191,6 @@ class StepTimes:
         ratios = [r for k in smaller if (r := self.ratio(k, shape)) is not None]
         if plain is not None and ratios:
             out = max(out, plain * ratios[-1])
+        if (bucket, shape) in self.clean and bucket >= self.large:
+            out = max(out, self.clean[(bucket, shape)] / self.tuning.stale)
         return out
