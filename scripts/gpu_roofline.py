@@ -11,8 +11,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's package, installed or not
 
 
 def plot(paths: list[str], output: str) -> None:
