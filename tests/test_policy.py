@@ -894,3 +894,19 @@ def tail_factor_of(policy, b, shape):
     sigma = max(policy.squares[shape] / policy.paired_rows - mu * mu, 0.0) ** 0.5
     full = policy.steps.estimate(b, shape)
     return tail.tail_factor(16, policy.remaining, mu, sigma, full, [None] * b)
+
+
+def test_at_a_large_batch_a_narrower_chain_within_the_tree_margin_is_preferred():
+    """JF model's 1B twin at 16 rows: chains of 8 and 4 predicted level (1.34 vs the plain step's 1.05), the chain of
+    4 won run alone (1.15x against the chain of 8's lower): the deeper chain's paired tokens flatter it more."""
+    policy = BatchPolicy(shapes_from(4, 16, 20, True))
+    b = BatchPolicy.bucket(16)
+    policy.tokens, policy.own[0] = [100.0, 64.5, 44.1, 30.9, 14.1], [100.0, 20.0]
+    _bucket_times(policy, 16, [1.044, 0.483, 0.340, 0.255, 0.134])
+    assert policy.choose(16) == 2  # the chain of 4, not the chain of 8 (0.645 / 0.483, 3% above 0.441 / 0.340)
+    policy.times[(b, 2)] = [0.40] * 4  # the chain of 4 now 20% behind: the chain of 8
+    assert policy.choose(16) == 1
+    small = BatchPolicy(shapes_from(4, 16, 20, True))
+    small.tokens, small.own[0] = list(policy.tokens), [100.0, 20.0]
+    _bucket_times(small, 4, [1.044, 0.483, 0.340, 0.255, 0.134])
+    assert small.choose(4) == 1  # below margin_rows the best predicted rate stands

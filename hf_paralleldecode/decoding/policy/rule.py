@@ -45,7 +45,8 @@ The rule
       step times at fewer rows.
 
     A chain must be predicted ``tree_margin`` (5%) faster than the configured tree to replace it: its paired tokens
-    flatter it a little. From ``margin_rows`` active rows on, a shape must be predicted ``margin`` (5%) faster than
+    flatter it a little; from ``margin_rows`` rows, a narrower chain within ``tree_margin`` of the best chain is
+    taken instead of it (a deeper chain's paired tokens flatter it more). From ``margin_rows`` active rows on, a shape must be predicted ``margin`` (5%) faster than
     the plain step to be used (the tail is predicted from a model, while the plain step's cost is certain), and its
     floor ``explore_margin`` (15%) faster to be measured at all: at a large batch a step that loses costs several
     plain steps, and a floor is only a bound. The constants are one :class:`~.tuning.PolicyTuning`.
@@ -238,6 +239,14 @@ class BatchPolicy:
             best = max(rate, key=rate.get)
             if best not in (0, self.plain) and 0 in rate and rate[best] < (1 + tuning.tree_margin) * rate[0]:
                 best = 0  # a close race: a chain's paired tokens flatter it a little, the tree's are its own
+            if best not in (0, self.plain) and rows >= tuning.margin_rows:
+                # between chains the deeper one's paired tokens flatter it more, and its rows fall further out of
+                # step: from margin_rows rows a narrower chain within tree_margin of the best is taken instead
+                close = [i for i, r in rate.items() if i not in (0, self.plain)
+                         and self.shapes[i].budget < self.shapes[best].budget
+                         and r * (1 + tuning.tree_margin) >= rate[best]]
+                if close:
+                    best = min(close, key=lambda i: self.shapes[i].budget)
             if self.plain in rate and rate[best] < self.threshold(b, rows, {self.plain: rate[self.plain]},
                                                                   explore=False):
                 best = self.plain  # a small predicted gain at a large batch: the plain step's cost is certain
