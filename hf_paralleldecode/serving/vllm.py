@@ -180,7 +180,6 @@ class DeerProposer(TokenProposer):
         if self.deer.vocab_size < self.vocab:
             raise ValueError(f"The DEER drafter's vocabulary ({self.deer.vocab_size} rows) is smaller than the served "
                              f"model's ({self.vocab}): it was not built for this model.")
-        self.drafter_forwards = 0  # drafter forwards (one per drafting request and step)
 
     def new_state(self, tokens: np.ndarray) -> _DeerRequest:
         return _DeerRequest()
@@ -244,7 +243,6 @@ class DeerProposer(TokenProposer):
                          read_committed=lambda: (torch.tensor([done]), torch.tensor([len(done)])))
         logits = request.state.marginals(step)  # [1, >= k, V]
         request.state.end_step()
-        self.drafter_forwards += 1
         return self.chain_of(logits[0, :k])
 
     def chain_of(self, logits: torch.Tensor) -> list[int]:

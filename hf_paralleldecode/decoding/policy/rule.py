@@ -46,10 +46,10 @@ The rule
 
     A chain must be predicted ``tree_margin`` (5%) faster than the configured tree to replace it: its paired tokens
     flatter it a little; from ``margin_rows`` rows, a narrower chain within ``tree_margin`` of the best chain is
-    taken instead of it (a deeper chain's paired tokens flatter it more). From ``margin_rows`` active rows on, a shape must be predicted ``margin`` (5%) faster than
-    the plain step to be used (the tail is predicted from a model, while the plain step's cost is certain), and its
-    floor ``explore_margin`` (15%) faster to be measured at all: at a large batch a step that loses costs several
-    plain steps, and a floor is only a bound. The constants are one :class:`~.tuning.PolicyTuning`.
+    taken instead of it (a deeper chain's paired tokens flatter it more). From ``margin_rows`` active rows on, a shape
+    must be predicted ``margin`` (5%) faster than the plain step to be used (the tail is predicted from a model, while
+    the plain step's cost is certain), and its floor ``explore_margin`` (15%) faster to be measured at all: at a large
+    batch a step that loses costs several plain steps, and a floor is only a bound. The constants are one :class:`~.tuning.PolicyTuning`.
 
     Measurements carry over to the next call of the same owner (the drafter, or the model) with the same device,
     dtype and shapes (:mod:`.memory`), so a server's first call pays the exploration once.

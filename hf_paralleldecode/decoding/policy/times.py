@@ -122,8 +122,8 @@ class StepTimes:
         plain step 0.14 s: at 8 rows it feeds 24 tokens, and the curve puts it near 0.17 s, not 0.26 (a host-bound
         model's flat curve keeps it near ``full``). ``None``: nothing to read it from (``full`` stands in)."""
         nodes = self.shapes[shape].budget + 1
-        plain = {k: self.seconds(k, self.plain) for k in range(bucket + 1)
-                 if self.plain is not None and self.seconds(k, self.plain) is not None}
+        plain = {} if self.plain is None else {
+            k: t for k in range(bucket + 1) if (t := self.seconds(k, self.plain)) is not None}
         rows = 2 ** bucket  # (a bucket's times stand for its smallest batch)
         out: list[float | None] = []
         for k in range(bucket):
