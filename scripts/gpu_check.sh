@@ -9,6 +9,8 @@
 #                                         # .whl/: transformers' wheel, slimmed to the model folders used
 # then call the device with carry [".whl", ".gpu"] and: bash scripts/gpu_check.sh; afterwards restore the
 # checkpoints here with: git checkout -- hf_paralleldecode/assets
+# Smaller runs (a short lease): ONLY="<section> ...", NB1/NB/REP (prompts at batch 1 / batch > 1, repeats),
+# B1_STRATEGIES / BATCH_STRATEGIES / BATCHES, PYTEST_K (tests/test_gpu.py -k).
 # SMOKE=1 runs every section tiny on the CPU (at the 135m shape), to check the script itself.
 set -u
 ASSETS=hf_paralleldecode/assets
@@ -32,13 +34,13 @@ PY
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux2014_x86_64 -d .whl "transformers==${TRANSFORMERS_WHEEL:-5.24.0}" || exit 1
   whl=$(ls .whl/transformers-*.whl)
-  keep="auto llama qwen2 qwen3 mistral gemma phi3 gpt_neox gpt2 bloom encoder_decoder __init__.py"
+  keep="auto llama qwen2 qwen3 mistral gemma phi3 gpt_neox gpt2 bloom encoder_decoder muse_glimmer_assistant __init__.py"
   drop=$(unzip -Z1 "$whl" | grep '^transformers/models/' | cut -d/ -f3 | sort -u | grep -vxF -f <(tr ' ' '\n' <<< "$keep"))
   zip -q -d "$whl" $(for m in $drop; do echo "transformers/models/$m/*"; done) || exit 1
   echo "prepared (.gpu/, $(du -h "$whl" | cut -f1) $whl); restore with: git checkout -- $ASSETS"; exit 0
 fi
 OUT=${OUT:-/tmp/gpu_out}; RES=/tmp/gpu_res; mkdir -p "$OUT" "$RES"
-pack() { tar -czf "$OUT/results.tgz" -C "$RES" . ; }
+pack() { tar -czf "$OUT/.results.tgz" -C "$RES" . && mv "$OUT/.results.tgz" "$OUT/results.tgz"; }  # whole or not at all
 export PYTHONUNBUFFERED=1
 if [ -z "${SMOKE:-}" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -60,7 +62,7 @@ PY
   [ -n "${RESTORE:-}" ] && exit 0
 fi
 if [ -z "${SMOKE:-}" ]; then
-  DEV="--device cuda"; T=1; S1=1b; S2=8b; NB1=8; NB=64; TOK=64; REP=2; MAXFED=4096
+  DEV="--device cuda"; T=1; S1=1b; S2=8b; NB1=${NB1:-8}; NB=${NB:-64}; TOK=64; REP=${REP:-2}; MAXFED=4096
 else
   export PYTHONPATH=$PWD; DEV="--device cpu --threads 2"; T=0.5; S1=135m; S2=135m; NB1=2; NB=4; TOK=8; REP=1; MAXFED=64
 fi
@@ -80,23 +82,24 @@ sec() { local name=$1 limit=$2; shift 2
 bench() { local name=$1 limit=$2 model=$3 n=$4; shift 4
           sec "$name" "$limit" "$CLI bench --model $model --dtype bfloat16 $DEV --prompts $P2 --num-prompts $n \
             --max-new-tokens $TOK --repeats $REP --output-dir $RES/$name $*"; }
+if [ -z "${SMOKE:-}" ]; then sec gpu_tests 60 "python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -rA ${PYTEST_K:+-k $PYTEST_K}"; fi
 sec twin_check 40 "python3 scripts/twin_check.py --shapes $S1 --dtypes float32 bfloat16 $DEV --num-prompts 16 \
   --max-new-tokens $TOK --output $RES/twin_check.json"
 sec roofline 70 "for m in default default-$S1 default-$S2; do python3 scripts/gpu_roofline.py --model \$m --dtype bfloat16 \
   $DEV --max-fed $MAXFED --repeats 5 --output $RES/roofline_\$m.json || exit 1; done"
 for m in default-trained default; do
-  bench "b1_$m-$S1" 70 "$m-$S1" $NB1 --batch-sizes 1 --strategies speculative $TREE $C8 $C4 transformers_prompt_lookup
+  bench "b1_$m-$S1" 70 "$m-$S1" $NB1 --batch-sizes 1 --strategies ${B1_STRATEGIES:-speculative $TREE $C8 $C4 transformers_prompt_lookup}
 done
 # batch 16 and 64 against stock batched generate (transformers' prompt lookup runs row by row at batch > 1: its
 # batch-1 rate above is its rate at any batch)
 for m in default-trained default; do
-  bench "b16_64_$m-$S1" 60 "$m-$S1" $NB --batch-sizes 16 64 --strategies speculative $TREE $C4
+  bench "b16_64_$m-$S1" 60 "$m-$S1" $NB --batch-sizes ${BATCHES:-16 64} --strategies ${BATCH_STRATEGIES:-speculative $TREE $C4}
 done
-bench "b1_default-trained-$S2" 40 "default-trained-$S2" $((NB1 / 2)) --batch-sizes 1 --strategies speculative $C4 \
-  transformers_prompt_lookup
-bench "b16_default-trained-$S2" 35 "default-trained-$S2" $((NB / 4)) --batch-sizes 16 --strategies speculative $C4
 for t in 0.8 0.3; do
   bench "sample_t${t}_default-trained-$S1" 35 "default-trained-$S1" $NB1 --batch-sizes 1 --do-sample --temperature $t \
     --strategies speculative transformers_prompt_lookup
 done
+bench "b1_default-trained-$S2" 40 "default-trained-$S2" $((NB1 / 2)) --batch-sizes 1 --strategies speculative $C4 \
+  transformers_prompt_lookup
+bench "b16_default-trained-$S2" 35 "default-trained-$S2" $((NB / 4)) --batch-sizes 16 --strategies speculative $C4
 echo "done $(date +%T)"

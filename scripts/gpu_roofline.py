@@ -72,7 +72,8 @@ def main() -> None:
     rows = []
     for b in args.batch_sizes:
         tokens = tuple(k for k in args.tokens if args.max_fed is None or b * k <= args.max_fed)
-        if not tokens:
+        if len(tokens) < 2:  # a curve needs two points; --max-fed leaves fewer at large batches
+            print(f"batch {b}: skipped, --max-fed {args.max_fed} leaves {len(tokens)} of the token counts", flush=True)
             continue
         curve = forward_cost(model, context=args.context, repeats=args.repeats, tokens=tokens, batch=b, warmups=2)
         for k, seconds in curve.points:

@@ -910,3 +910,38 @@ def test_at_a_large_batch_a_narrower_chain_within_the_tree_margin_is_preferred()
     small.tokens, small.own[0] = list(policy.tokens), [100.0, 20.0]
     _bucket_times(small, 4, [1.044, 0.483, 0.340, 0.255, 0.134])
     assert small.choose(4) == 1  # below margin_rows the best predicted rate stands
+
+
+def test_a_warm_up_of_several_slow_steps_does_not_lock_the_shapes_out():
+    """On a GPU a shape's first steps in a process can each take many times its later ones (lazy initialisation,
+    then new allocations). Measured on an H200 with the 1B twin of the JF model: the policy averaged two such steps
+    per shape into trusted times, the chains' inflated times floored the tree, and every call after the first ran
+    plain steps (6 drafting steps of 238). A step much faster than a shape's window replaces it before the shape is
+    trusted too. Costs of that run at batch 1 (forward 13 ms for one token, about 17-19 ms for 2-21; drafter ~3 ms)."""
+
+    class Owner:
+        pass
+
+    clock, owner, seen, picks = FakeClock(1.0), Owner(), {}, []
+    costs = (0.025, 0.022, 0.021, 0.020, 0.013)  # tree, chain of 8, 4, 2, plain
+    warm_up = (0.4, 0.2)  # extra seconds of a drafting shape's first and second step in the process
+    for call in range(6):
+        policy = BatchPolicy(shapes_from(4, 16, 20, True), clock=clock, memory=(owner, "key"))
+        if call == 0:  # paired tokens as the tree's steps would give them: 5 per step, chains 3.8 / 3.0 / 2.2
+            policy.tokens, policy.own[0] = [100.0, 76.0, 60.0, 44.0, 20.0], [100.0, 20.0]
+        for _ in range(60):
+            pick = policy.choose(1)
+            k = seen[pick] = seen.get(pick, 0) + 1
+            clock.advance(costs[pick] + (warm_up[k - 1] if pick != 4 and k <= len(warm_up) else 0.0))
+            policy._done = True
+            picks.append(pick)
+        policy.finish()
+    later = picks[60:]
+    assert later.count(0) >= 0.95 * len(later)  # the tree: 1 / 0.025 against the plain step's 0.2 / 0.013
+    assert max(picks.count(i) for i in (1, 2, 3)) <= 5  # each chain measured through its warm-up, then left
+
+    steady = BatchPolicy(shapes_from(4, 16, 20, True))  # steps alike, slow or not, are the shape's time as before
+    b = BatchPolicy.bucket(1)
+    for seconds in (0.30, 0.29):
+        steady.steps.record(b, 2, seconds)
+    assert steady.steps.trusted(b, 2) and steady.seconds(b, 2) == pytest.approx(0.295)

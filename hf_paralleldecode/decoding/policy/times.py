@@ -11,7 +11,8 @@ Buckets
     time depends on the shape, the batch and the device. A shape is trusted in a bucket after
     ``min_samples`` steps there (:class:`~.tuning.PolicyTuning`); its estimate is the mean of its last ``window``
     steps without the slowest one once there are three, and a step much faster than the estimate (``stale``)
-    replaces the window. A batch that shrinks passes through smaller buckets, where a shape's time in a larger bucket
+    replaces the window, also before the shape is trusted (a warm-up's steps, each faster than the last, are not
+    averaged into its time). A batch that shrinks passes through smaller buckets, where a shape's time in a larger bucket
     stands in (fewer rows are never slower), and a shape not yet measured in a bucket is bounded from below by what
     is known (:meth:`StepTimes.floor`).
 
@@ -68,8 +69,11 @@ class StepTimes:
         if setup and trusted:
             return
         t = self.times.setdefault((bucket, shape), [])
-        if trusted and seconds * self.tuning.stale < self.seconds(bucket, shape):
-            t.clear()  # the window's steps ran under conditions that have passed
+        if t and seconds * self.tuning.stale < self.seconds(bucket, shape):
+            # the window's steps ran under conditions that have passed: another process's burst, or a warm-up (on a
+            # GPU a shape's first steps in a process can take 10x its later ones, first lazy initialisations, then
+            # new allocations: a window of two such steps, trusted, floored every wider shape and locked all out)
+            t.clear()
         t.append(seconds)
         self.best_seen[(bucket, shape)] = min(self.best_seen.get((bucket, shape), seconds), seconds)
         if not setup:
