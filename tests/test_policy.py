@@ -173,7 +173,8 @@ def test_revisit_state_carries_over_to_the_next_call_of_the_same_owner():
 
 
 def test_paired_counts_come_only_from_steps_of_the_configured_tree():
-    policy = BatchPolicy(shapes_from(4, 16, 20, True))  # tree, chain 8, chain 4, chain 2, plain
+    clock = FakeClock()
+    policy = BatchPolicy(shapes_from(4, 16, 20, True), clock=clock)  # tree, chain 8, chain 4, chain 2, plain
     assert policy.tokens == [17.0, 1.0, 1.0, 1.0, 1.0]  # the prior: the tree commits its depth + 1, the others 1
     policy.tokens = [0.0] * 5  # (plain sums below)
     tree = tree_from_parents(torch.tensor([9, 9]), [[9, 1, 2, 3, 4], [9, 1, 2]], [[-1, 0, 1, 2, 3], [-1, 0, 0]],
@@ -186,6 +187,7 @@ def test_paired_counts_come_only_from_steps_of_the_configured_tree():
     # plain step's time (6/7 / 0.05) beat the tree's rate (1 / 0.1)
     policy.times[(BatchPolicy.bucket(2), 0)] = [0.1] * 4
     policy.times[(BatchPolicy.bucket(2), 4)] = [0.05] * 4
+    clock.advance(0.1)  # (the tree's step took its time)
     policy.choose(2)  # a chain step: its own counts; the paired sums do not move
     assert policy.index == 1
     policy.observe(chain_tree(torch.tensor([[9, 1], [9, 1]]), torch.tensor([2, 2])),
@@ -551,8 +553,8 @@ def test_a_shrinking_batch_reuses_the_times_of_a_larger_bucket_instead_of_measur
 def test_the_first_drafting_step_of_a_call_does_not_set_the_shapes_time_once_it_is_known():
     # a call's first step with a drafter also runs the drafter over the whole prompt: a one-time cost. When the
     # policy runs plain steps first and revisits the tree once per call, every tree step it times would be such a
-    # step, the tree would look slower than it is and stay locked out. So once a shape has its samples in the
-    # bucket, its first drafting step of a call is not timed (its tokens still count)
+    # step, the tree would look slower than it is and stay locked out. So a call's first drafting step never joins
+    # a shape's window (it stands in while the window is empty; its tokens still count)
     ticks = iter(range(1000))
 
     def clock():  # one second per reading
@@ -571,7 +573,9 @@ def test_the_first_drafting_step_of_a_call_does_not_set_the_shapes_time_once_it_
 
     policy = BatchPolicy(shapes, clock=clock)
     step(policy, 4)
-    step(policy, 0)  # the call's first drafting step, no tree time yet: timed
+    step(policy, 0)  # the call's first drafting step, no tree time yet: it stands in, outside the window
+    assert not policy.times.get((b, 0)) and policy.seconds(b, 0) is not None
+    step(policy, 0)
     step(policy, 0)
     assert len(policy.times[(b, 0)]) == 2
     later = BatchPolicy(shapes, clock=clock)
@@ -945,3 +949,44 @@ def test_a_warm_up_of_several_slow_steps_does_not_lock_the_shapes_out():
     for seconds in (0.30, 0.29):
         steady.steps.record(b, 2, seconds)
     assert steady.steps.trusted(b, 2) and steady.seconds(b, 2) == pytest.approx(0.295)
+
+
+def test_a_step_drafted_after_a_capped_catch_up_feeds_neither_the_paired_counts_nor_the_window():
+    """After a run of plain steps longer than the drafter's catch-up cap, its context has a hole: the tree's revisit
+    then drafts worse than the tree does in step (8.4M JF model at 32 rows: 5 tokens a row-step against 6.6), and its
+    forward also catches up. Such a step leaves the paired counts and a trusted window alone; a setup step (this or
+    a call's first drafting step) only stands in for a shape's time while its window is empty."""
+    clock = FakeClock()
+    policy = BatchPolicy(shapes_from(4, 16, 20, True), clock=clock)
+    b = BatchPolicy.bucket(2)
+    tree = tree_from_parents(torch.tensor([9, 9]), [[9, 1, 2], [9, 1, 2]], [[-1, 0, 1], [-1, 0, 1]],
+                             [[0, 1, 2], [0, 1, 2]])
+    verdict = SimpleNamespace(path=torch.tensor([[0, 1, 2], [0, 1, 2]]), num_accepted=torch.tensor([2, 2]))
+    miss = SimpleNamespace(path=torch.tensor([[0, -1, -1], [0, -1, -1]]), num_accepted=torch.tensor([0, 0]))
+
+    def tree_step(v, lagged=False, seconds=0.1):
+        policy.choose(2)
+        policy._pending = (0, b, policy._pending[2])
+        if lagged:
+            policy.lagged()
+        policy.observe(tree, v)
+        clock.advance(seconds)
+        policy.close()
+
+    tree_step(verdict, seconds=0.5)  # the call's first drafting step (it read the prompt): a stand-in only
+    assert not policy.times.get((b, 0)) and policy.seconds(b, 0) == 0.5
+    tree_step(verdict)
+    tree_step(verdict)
+    assert policy.times[(b, 0)] == pytest.approx([0.1, 0.1]) and (b, 0) not in policy.steps.setup
+    counts = list(policy.tokens)
+    tree_step(miss, lagged=True, seconds=0.3)  # a hole in the drafter's context: nothing learned from it
+    assert policy.tokens == counts and policy.times[(b, 0)] == pytest.approx([0.1, 0.1])
+    tree_step(miss)  # a miss in step counts
+    assert policy.tokens[0] == pytest.approx(0.98 * counts[0] + 2)
+    tree_step(verdict, lagged=True, seconds=0.05)  # much faster than the window: the window was stale
+    assert policy.times[(b, 0)] == pytest.approx([0.05])
+    fresh = BatchPolicy(shapes_from(4, 16, 20, True), clock=clock)
+    fresh.choose(2)
+    fresh.lagged()  # the tree's first step ever: its counts are all there is, they count
+    fresh.observe(tree, verdict)
+    assert fresh.tokens[0] == pytest.approx(0.98 * 17 + 6)

@@ -221,6 +221,7 @@ class DraftProposer(Proposer):
         self.sample = bool(run.generation_config.do_sample)
         self.roots = run.log.tokens[run.rows, 0].clone()  # [active] the first token, committed by the prefill
         self.steps, self.drafted_nodes, self.accepted, self.row_steps, self.host = 0, 0, 0, 0, 0.0
+        self._skipped_seen = 0  # the drafter's skipped tokens at its last drafting step (see propose)
         self.accepted_lengths: list[list[int]] = []  # per step, per active row: accepted + 1
 
     def select(self, kept):
@@ -280,6 +281,9 @@ class DraftProposer(Proposer):
         else:
             self._grow_marginals(builders, histories, row_ids, q_store)
         self.state.end_step()
+        if drafting and self.state.skipped_tokens > self._skipped_seen and self.policy is not None:
+            self.policy.lagged()  # the drafter's context had a hole: its drafts are not the shape's in step
+        self._skipped_seen = self.state.skipped_tokens
         self.drafted_nodes += sum(len(bld.tokens) - 1 for bld in builders)  # the head's nodes (drafting_cost)
         context_ranks = [{} for _ in builders]  # per row: context node -> rank of the match that made it
         first_paths = [[] for _ in builders]  # per row: the nodes of the first match (the policy's context chains)

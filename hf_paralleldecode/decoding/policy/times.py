@@ -53,22 +53,30 @@ class StepTimes:
         self.best_seen: dict[tuple[int, int], float] = dict(known.get("best_seen", {})) if known else {}
         # per (bucket, shape): the fastest step that did not also read the prompt into the drafter (see floor)
         self.clean: dict[tuple[int, int], float] = dict(known.get("clean", {})) if known else {}
+        # per (bucket, shape) without a step in its window yet: the fastest setup step (see record), its stand-in
+        self.setup: dict[tuple[int, int], float] = dict(known.get("setup", {})) if known else {}
         self.large = bucket(tuning.margin_rows)  # the first bucket where a shape's own first steps floor it
 
     def state(self) -> dict:
         """What a later call starts from (``known``)."""
         return {"times": {k: list(v) for k, v in self.times.items()}, "best_seen": dict(self.best_seen),
-                "clean": dict(self.clean)}
+                "clean": dict(self.clean), "setup": dict(self.setup)}
 
     def record(self, bucket: int, shape: int, seconds: float, setup: bool = False) -> None:
-        """A step of ``shape`` in ``bucket`` took ``seconds``. ``setup``: the call's first step with a drafter forward
-        (the drafter read the whole prompt too, a cost paid once per call): not recorded once the shape is trusted
-        here (a tree revisited once per call would otherwise be timed only on such steps, look slower than it is and
-        stay locked out)."""
-        trusted = self.trusted(bucket, shape)
-        if setup and trusted:
+        """A step of ``shape`` in ``bucket`` took ``seconds``. ``setup``: a step whose drafter forward also did work
+        paid once per call or per switch (the call's first drafting step read the whole prompt; one after a run of
+        plain steps caught up on their tokens): it never joins the window, only stands in for the shape's time while
+        the window is empty (a tree revisited once per call would otherwise be timed only on such steps, look slower
+        than it is and stay locked out; a chain measured on such a step and one more at 32 rows of the 8.4M JF model
+        looked 1.6x slower than it runs). One much faster than the window still replaces it: the window is stale."""
+        key = (bucket, shape)
+        if setup and not (self.times.get(key) and seconds * self.tuning.stale < self.seconds(bucket, shape)):
+            if not self.times.get(key):
+                self.setup[key] = min(self.setup.get(key, seconds), seconds)
+                self.best_seen[key] = min(self.best_seen.get(key, seconds), seconds)
             return
-        t = self.times.setdefault((bucket, shape), [])
+        self.setup.pop(key, None)
+        t = self.times.setdefault(key, [])
         if t and seconds * self.tuning.stale < self.seconds(bucket, shape):
             # the window's steps ran under conditions that have passed: another process's burst, or a warm-up (on a
             # GPU a shape's first steps in a process can take 10x its later ones, first lazy initialisations, then
@@ -87,7 +95,7 @@ class StepTimes:
         unmeasured."""
         samples = self.times.get((bucket, shape))
         if not samples:
-            return None
+            return self.setup.get((bucket, shape))
         kept = sorted(samples)[:-1] if len(samples) >= 3 else samples
         return sum(kept) / len(kept)
 
