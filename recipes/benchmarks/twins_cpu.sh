@@ -3,7 +3,7 @@
 # (hf_paralleldecode.cost_twin; --model default-1b / default-trained-1b), beside stock (batched) generate and
 # transformers' prompt lookup in the same run. Writes docs/assets/twins/cpu/<section>/; render the page with
 # `python scripts/render_tables.py` afterwards. About 70 minutes on 2 cores; ONLY="b1 roofline" runs some sections
-# (batch64 batch b1 sample fp32 roofline sample03); REP (batch 1, greedy) and REPB (the rest) set the interleaved
+# (batch64 batch b1 sample fp32 roofline sample03 large8m); REP (batch 1, greedy) and REPB (the rest) set the interleaved
 # repeats.
 #   bash recipes/benchmarks/twins_cpu.sh
 set -u
@@ -20,6 +20,10 @@ C2="speculative:adaptive=false,tree_width=1,tree_depth=2,tree_budget=2,context_m
 want() { [ -z "${ONLY:-}" ] || [[ " $ONLY " == *" $1 "* ]]; }
 run() { local name=$1; shift; echo "=== $name $(date +%T)"; "$@" --output-dir "$OUT/$name" > "$OUT/$name.log" 2>&1
         echo "rc=$? $(date +%T)"; grep -v "Loading\|bench:" "$OUT/$name.log" | tail -n 12; }
+for m in default-trained default; do  # the 8.4M models at 16-64 rows beside the shapes the policy chooses from
+  want large8m && run "large_$m-8m" $BENCH --model "$m" --prompts $P2 --num-prompts "$NB" --batch-sizes 16 32 64 \
+    --repeats "$REP" --strategies speculative $TREE $C8 $C4 $C2
+done
 for m in default-trained default; do  # batch 64 on all 64 prompts, 4 and 16 on 32
   want batch64 && run "batch64_$m-$SHAPE" $BENCH --model "$m-$SHAPE" --dtype bfloat16 --prompts $P2 --num-prompts "$NB" \
     --batch-sizes 64 --repeats "$REPB" --strategies speculative $TREE $C4 $C2

@@ -11,8 +11,8 @@ Buckets
     time depends on the shape, the batch and the device. A shape is trusted in a bucket after
     ``min_samples`` steps there (:class:`~.tuning.PolicyTuning`); its estimate is the mean of its last ``window``
     steps without the slowest one once there are three, and a step much faster than the estimate (``stale``)
-    replaces the window, also before the shape is trusted (a warm-up's steps, each faster than the last, are not
-    averaged into its time). A batch that shrinks passes through smaller buckets, where a shape's time in a larger bucket
+    replaces the window, below ``margin_rows`` rows also before the shape is trusted (a warm-up's steps, each faster
+    than the last, are not averaged into its time). A batch that shrinks passes through smaller buckets, where a shape's time in a larger bucket
     stands in (fewer rows are never slower), and a shape not yet measured in a bucket is bounded from below by what
     is known (:meth:`StepTimes.floor`).
 
@@ -65,22 +65,31 @@ class StepTimes:
     def record(self, bucket: int, shape: int, seconds: float, setup: bool = False) -> None:
         """A step of ``shape`` in ``bucket`` took ``seconds``. ``setup``: a step whose drafter forward also did work
         paid once per call or per switch (the call's first drafting step read the whole prompt; one after a run of
-        plain steps caught up on their tokens): it never joins the window, only stands in for the shape's time while
-        the window is empty (a tree revisited once per call would otherwise be timed only on such steps, look slower
-        than it is and stay locked out; a chain measured on such a step and one more at 32 rows of the 8.4M JF model
-        looked 1.6x slower than it runs). One much faster than the window still replaces it: the window is stale."""
+        plain steps caught up on their tokens): below ``margin_rows`` rows it never joins the window, only stands in
+        for the shape's time while the window is empty (a tree revisited once per call would otherwise be timed only
+        on such steps, look slower than it is and stay locked out); from there it joins a window not yet trusted, as
+        what a switch to the shape costs. One much faster than the window still replaces it: the window is stale."""
         key = (bucket, shape)
-        if setup and not (self.times.get(key) and seconds * self.tuning.stale < self.seconds(bucket, shape)):
-            if not self.times.get(key):
+        window = self.times.get(key)
+        faster = bool(window) and seconds * self.tuning.stale < self.seconds(bucket, shape)
+        if setup and not faster and (bucket < self.large or self.trusted(bucket, shape)):
+            # (from margin_rows rows a setup step joins a window not yet trusted: there what a switch to the shape
+            # costs is charged to it; the 8.4M models at 32 rows, measured on clean steps alone, took chains that lost
+            # 5-10% to plain steps)
+            if not window:
                 self.setup[key] = min(self.setup.get(key, seconds), seconds)
                 self.best_seen[key] = min(self.best_seen.get(key, seconds), seconds)
             return
         self.setup.pop(key, None)
         t = self.times.setdefault(key, [])
-        if t and seconds * self.tuning.stale < self.seconds(bucket, shape):
+        young = len(t) < self.tuning.min_samples
+        if t and (not young or bucket < self.large) and seconds * self.tuning.stale < self.seconds(bucket, shape):
             # the window's steps ran under conditions that have passed: another process's burst, or a warm-up (on a
             # GPU a shape's first steps in a process can take 10x its later ones, first lazy initialisations, then
-            # new allocations: a window of two such steps, trusted, floored every wider shape and locked all out)
+            # new allocations: a window of two such steps, trusted, floored every wider shape and locked all out).
+            # Before the window is trusted only below margin_rows rows: from there a step is mostly the forward's
+            # compute, and measuring a shape again costs several plain steps (the 8.4M base model at 32 rows went
+            # from 0.97x stock to 0.88x re-measuring shapes whose first steps had been slower)
             t.clear()
         t.append(seconds)
         self.best_seen[(bucket, shape)] = min(self.best_seen.get((bucket, shape), seconds), seconds)
