@@ -990,3 +990,23 @@ def test_a_step_drafted_after_a_capped_catch_up_feeds_neither_the_paired_counts_
     fresh.lagged()  # the tree's first step ever: its counts are all there is, they count
     fresh.observe(tree, verdict)
     assert fresh.tokens[0] == pytest.approx(0.98 * 17 + 6)
+
+
+def test_the_trees_setup_steps_count_as_steps_it_ran_for_the_revisit_rule():
+    """While the configured tree has run fewer than three steps in a bucket, its gaps alone decide its revisits (its
+    time may hold a warm-up). Its steps after plain runs are setup steps that do not join its window: counted there
+    alone, the tree at 16 rows of the 8.4M JF model stayed 'young' for good and was revisited at every gap (6 steps
+    of a call's ~120 at five plain steps' cost each). Every step it ran counts."""
+    policy = BatchPolicy(shapes_from(4, 16, 20, True), explore_every=4)
+    b = BatchPolicy.bucket(16)
+    policy.tokens, policy.own[0] = [100.0, 70.0, 50.0, 35.0, 20.0], [100.0, 20.0]
+    for i, s in enumerate([0.080, 0.050, 0.045, 0.040, 0.020]):  # the chain of 8 best; the tree's floor (0.05) hopeful
+        policy.times[(b, i)] = [s, s]
+    policy.since_tree, policy.budget = 100, 0.0
+    assert policy.choose(16) == 0  # two steps: revisited at its gap, whatever the budget
+    policy.close()
+    for _ in range(3):
+        policy.steps.record(b, 0, 0.5, setup=True)  # three revisits after plain runs: setup steps, not in the window
+    assert policy.times[(b, 0)] == [0.080, 0.080] and policy.steps.runs(b, 0) == 3  # (the window was set by hand)
+    policy.since_tree = 100
+    assert policy.choose(16) != 0  # now the budget decides, and it covers no loss

@@ -262,7 +262,7 @@ class BatchPolicy:
             revisit = False
             if best != 0 and 0 in rate and self.since_tree >= self.gap:
                 others = {i: r for i, r in rate.items() if i != 0}
-                if len(steps.times.get((b, 0), ())) < 3 and self.hopeful(b, rows, 0, others):
+                if steps.runs(b, 0) < 3 and self.hopeful(b, rows, 0, others):
                     revisit = True
                 elif self.relative_tokens(0) / (fast := steps.fastest(b, 0)) * self.tail_factor(b, rows, 0, fast) \
                         >= tuning.decisive * self.threshold(b, rows, others):

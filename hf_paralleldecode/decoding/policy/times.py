@@ -55,12 +55,14 @@ class StepTimes:
         self.clean: dict[tuple[int, int], float] = dict(known.get("clean", {})) if known else {}
         # per (bucket, shape) without a step in its window yet: the fastest setup step (see record), its stand-in
         self.setup: dict[tuple[int, int], float] = dict(known.get("setup", {})) if known else {}
+        # per (bucket, shape): every step it ran, setup steps included (see runs)
+        self.run_counts: dict[tuple[int, int], int] = dict(known.get("runs", {})) if known else {}
         self.large = bucket(tuning.margin_rows)  # the first bucket where a shape's own first steps floor it
 
     def state(self) -> dict:
         """What a later call starts from (``known``)."""
         return {"times": {k: list(v) for k, v in self.times.items()}, "best_seen": dict(self.best_seen),
-                "clean": dict(self.clean), "setup": dict(self.setup)}
+                "clean": dict(self.clean), "setup": dict(self.setup), "runs": dict(self.run_counts)}
 
     def record(self, bucket: int, shape: int, seconds: float, setup: bool = False) -> None:
         """A step of ``shape`` in ``bucket`` took ``seconds``. ``setup``: a step whose drafter forward also did work
@@ -70,6 +72,7 @@ class StepTimes:
         on such steps, look slower than it is and stay locked out); from there it joins a window not yet trusted, as
         what a switch to the shape costs. One much faster than the window still replaces it: the window is stale."""
         key = (bucket, shape)
+        self.run_counts[key] = self.run_counts.get(key, 0) + 1
         window = self.times.get(key)
         faster = bool(window) and seconds * self.tuning.stale < self.seconds(bucket, shape)
         if setup and not faster and (bucket < self.large or self.trusted(bucket, shape)):
@@ -96,6 +99,10 @@ class StepTimes:
         if not setup:
             self.clean[(bucket, shape)] = min(self.clean.get((bucket, shape), seconds), seconds)
         del t[: -self.tuning.window]
+
+    def runs(self, bucket: int, shape: int) -> int:
+        """How many steps ``shape`` ran in ``bucket``, setup steps included (which may not be in its window)."""
+        return max(self.run_counts.get((bucket, shape), 0), len(self.times.get((bucket, shape), ())))
 
     def seconds(self, bucket: int, shape: int) -> float | None:
         """The step time of ``shape`` in ``bucket``: the mean of its last ``window`` steps there without the
