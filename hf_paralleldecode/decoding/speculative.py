@@ -281,9 +281,10 @@ class DraftProposer(Proposer):
         else:
             self._grow_marginals(builders, histories, row_ids, q_store)
         self.state.end_step()
-        if drafting and self.state.skipped_tokens > self._skipped_seen and self.policy is not None:
-            self.policy.lagged()  # the drafter's context had a hole: its drafts are not the shape's in step
-        self._skipped_seen = self.state.skipped_tokens
+        if drafting:  # (a context chain's step leaves the count to the next drafting step)
+            if self.state.skipped_tokens > self._skipped_seen and self.policy is not None:
+                self.policy.lagged()  # the drafter's context had a hole: its drafts are not the shape's in step
+            self._skipped_seen = self.state.skipped_tokens
         self.drafted_nodes += sum(len(bld.tokens) - 1 for bld in builders)  # the head's nodes (drafting_cost)
         context_ranks = [{} for _ in builders]  # per row: context node -> rank of the match that made it
         first_paths = [[] for _ in builders]  # per row: the nodes of the first match (the policy's context chains)

@@ -25,7 +25,8 @@ The rule
       cannot catch up, and a tree that lost at batch 16 is not tried at batch 32. In a bucket a shrinking batch
       passes through, nothing new is measured. A call's first step with a drafter forward (the drafter reads the
       whole prompt then), or one after more plain steps than the drafter catches up on (:meth:`BatchPolicy.lagged`),
-      never joins a shape's window: it stands in for its time only while there is none.
+      is a setup step: below ``margin_rows`` rows it never joins a shape's window (it stands in for its time only
+      while there is none), from there only the first two (:meth:`~.times.StepTimes.record`).
     * Revisits. While another shape is faster, the configured tree is revisited (it feeds the paired counts, and the
       text may change) at doubling gaps (``explore_every`` steps, then twice that, up to ``max_gap``) and only when
       a revisit's predicted loss, its time minus the time the best shape takes to commit as many tokens, is covered
@@ -50,7 +51,8 @@ The rule
     taken instead of it (a deeper chain's paired tokens flatter it more). From ``margin_rows`` active rows on, a shape
     must be predicted ``margin`` (5%) faster than the plain step to be used (the tail is predicted from a model, while
     the plain step's cost is certain), and its floor ``explore_margin`` (15%) faster to be measured at all: at a large
-    batch a step that loses costs several plain steps, and a floor is only a bound. The constants are one :class:`~.tuning.PolicyTuning`.
+    batch a step that loses costs several plain steps, and a floor is only a bound. The constants are one
+    :class:`~.tuning.PolicyTuning`.
 
     Measurements carry over to the next call of the same owner (the drafter, or the model) with the same device,
     dtype and shapes (:mod:`.memory`), so a server's first call pays the exploration once.
@@ -337,10 +339,10 @@ class BatchPolicy:
     def lagged(self) -> None:
         """The step being run drafted from a drafter that skipped committed tokens (a capped catch-up after a run of
         plain steps: a hole in its context). Its drafts are worse than the shape's in step, and its drafter forward
-        also caught up: once the configured tree has run, such a step feeds neither the paired token counts nor, once
-        the shape has its samples, its step time (as the call's first drafting step). On the 8.4M JF model at 32 rows
-        the tree's revisits after plain runs committed 5 tokens a row-step where it commits 6.6 in step, which valued
-        the plain step 1.3x over every speculating shape."""
+        also caught up: once the configured tree has run, such a step does not feed the paired token counts, and its
+        time is a setup step's, like the call's first drafting step (:meth:`~.times.StepTimes.record`). On the 8.4M
+        JF model at 32 rows the tree's revisits after plain runs committed 5 tokens a row-step where it commits 6.6 in
+        step, which valued the plain step 1.3x over every speculating shape."""
         self._lagged = True
 
     def observe(self, tree, verdict) -> None:
@@ -386,7 +388,7 @@ class BatchPolicy:
         seconds = max(self.clock() - start, 1e-9)
         shape = self.shapes[pick]
         # the call's first step with a drafter forward also ran the drafter over the whole prompt, a cost paid once
-        # per call (StepTimes.record leaves it out once the shape has its samples)
+        # per call, and a lagged one caught up: setup steps (StepTimes.record decides where their time counts)
         drafts = shape.drafter and not shape.plain
         setup = drafts and (not self._drafted or self._lagged)
         self._drafted = self._drafted or drafts

@@ -12,9 +12,9 @@ Buckets
     ``min_samples`` steps there (:class:`~.tuning.PolicyTuning`); its estimate is the mean of its last ``window``
     steps without the slowest one once there are three, and a step much faster than the estimate (``stale``)
     replaces the window, below ``margin_rows`` rows also before the shape is trusted (a warm-up's steps, each faster
-    than the last, are not averaged into its time). A batch that shrinks passes through smaller buckets, where a shape's time in a larger bucket
-    stands in (fewer rows are never slower), and a shape not yet measured in a bucket is bounded from below by what
-    is known (:meth:`StepTimes.floor`).
+    than the last, are not averaged into its time). A batch that shrinks passes through smaller buckets, where a
+    shape's time in a larger bucket stands in (fewer rows are never slower), and a shape not yet measured in a bucket
+    is bounded from below by what is known (:meth:`StepTimes.floor`).
 
 What it deliberately does not know
     Tokens, rates, the rule (:mod:`.rule`); which shape a step ran (the rule tells :meth:`StepTimes.record`).
@@ -85,8 +85,7 @@ class StepTimes:
             return
         self.setup.pop(key, None)
         t = self.times.setdefault(key, [])
-        young = len(t) < self.tuning.min_samples
-        if t and (not young or bucket < self.large) and seconds * self.tuning.stale < self.seconds(bucket, shape):
+        if faster and (self.trusted(bucket, shape) or bucket < self.large):
             # the window's steps ran under conditions that have passed: another process's burst, or a warm-up (on a
             # GPU a shape's first steps in a process can take 10x its later ones, first lazy initialisations, then
             # new allocations: a window of two such steps, trusted, floored every wider shape and locked all out).
@@ -95,9 +94,9 @@ class StepTimes:
             # from 0.97x stock to 0.88x re-measuring shapes whose first steps had been slower)
             t.clear()
         t.append(seconds)
-        self.best_seen[(bucket, shape)] = min(self.best_seen.get((bucket, shape), seconds), seconds)
+        self.best_seen[key] = min(self.best_seen.get(key, seconds), seconds)
         if not setup:
-            self.clean[(bucket, shape)] = min(self.clean.get((bucket, shape), seconds), seconds)
+            self.clean[key] = min(self.clean.get(key, seconds), seconds)
         del t[: -self.tuning.window]
 
     def runs(self, bucket: int, shape: int) -> int:
