@@ -188,11 +188,49 @@ def test_paired_counts_come_only_from_steps_of_the_configured_tree():
     policy.times[(BatchPolicy.bucket(2), 0)] = [0.1] * 4
     policy.times[(BatchPolicy.bucket(2), 4)] = [0.05] * 4
     clock.advance(0.1)  # (the tree's step took its time)
-    policy.choose(2)  # a chain step: its own counts; the paired sums do not move
+    policy.choose(2)  # a chain step: its own counts, and a paired step of what it says
     assert policy.index == 1
     policy.observe(chain_tree(torch.tensor([[9, 1], [9, 1]]), torch.tensor([2, 2])),
                    SimpleNamespace(path=torch.tensor([[0, 1], [0, -1]]), num_accepted=torch.tensor([1, 0])))
-    assert policy.tokens == [7.0, 6.0, 6.0, 4.0, 2.0] and policy.own[1] == [3.0, 2.0]
+    assert policy.own[1] == [3.0, 2.0]
+    # chain 8 committed 1.5 tokens a row where the paired sums (2.98 row-steps) said 6 / 2.98: the tree moves with it
+    # (its share scaled by 0.745), the shorter chains get what they would have committed on it (2 and 1 tokens), the
+    # plain step one token a row
+    scale = 1.5 * 2.98 / 6
+    assert policy.tokens == pytest.approx([0.98 * 7 + 2 * 7 / 2.98 * scale, 0.98 * 6 + 3, 0.98 * 6 + 3, 0.98 * 4 + 3,
+                                           0.98 * 2 + 2])
+    assert policy.relative_tokens(1) == pytest.approx(6 / 7)  # the tree's paired ratio to chain 8 stays
+
+
+def test_a_tree_seen_only_on_hard_text_does_not_value_the_chains_low_for_good():
+    """At a large batch the configured tree may run only on a call's first steps, the least predictable text; what
+    the chains then commit on their own steps moves the level of every speculating shape against the plain step (the
+    base model's 1B twin at 16 rows ran plain steps beside a chain of 2 alone 1.06x faster)."""
+    policy = BatchPolicy(shapes_from(4, 16, 20, True), clock=FakeClock())  # tree, chain 8, chain 4, chain 2, plain
+    b, rows = BatchPolicy.bucket(16), 16
+    policy.tokens, policy.paired_rows = [320.0, 190.0, 180.0, 160.0, 100.0], 100.0  # tree 3.2, chain 2 1.6 a row
+    policy.squares = [t * t / 100.0 for t in policy.tokens]
+    policy.own[0] = [320.0, 100.0]
+    for i, t in ((0, 0.50), (1, 0.40), (2, 0.30), (3, 0.20), (4, 0.11)):
+        policy.times[(b, i)] = [t] * 4
+    assert policy.choose(rows) == 4  # chain 2: 1.6 / 0.2 = 8 tokens a second; plain 1 / 0.11 = 9.1
+    chain = chain_tree(torch.tensor([[9, 1, 2]] * rows), torch.tensor([3] * rows))
+    accepted = SimpleNamespace(path=torch.tensor([[0, 1, 2]] * rows), num_accepted=torch.tensor([2] * rows))
+    for _ in range(3):  # the chain runs on easier text: 3 tokens a row
+        policy._pending = (3, b, policy.clock())
+        policy.observe(chain, accepted)
+        policy._done = False
+    assert policy.relative_tokens(3) / policy.relative_tokens(4) > 1.9  # chain 2 against the plain step
+    assert policy.relative_tokens(3) / policy.relative_tokens(0) == pytest.approx(0.5)  # the paired ratio stays
+    assert policy.choose(rows) == 3
+    # a lagged step (a hole in the drafter's context) and a plain step do not move the level
+    before = list(policy.tokens)
+    policy.lagged()
+    policy.observe(chain, SimpleNamespace(path=torch.tensor([[0, -1, -1]] * rows), num_accepted=torch.tensor([0] * rows)))
+    policy._pending, policy._done = (4, b, policy.clock()), False
+    policy.observe(chain_tree(torch.tensor([[9]] * rows), torch.tensor([1] * rows)),
+                   SimpleNamespace(path=torch.tensor([[0]] * rows), num_accepted=torch.tensor([0] * rows)))
+    assert policy.tokens == before
 
 
 def test_a_chain_that_cannot_beat_the_tree_is_never_measured():
@@ -467,6 +505,48 @@ def test_a_deer_drafter_catches_up_on_at_most_max_catch_up_tokens_after_plain_st
     assert out.stats["drafter_skipped_tokens"] == out.draft_stats.drafter_skipped_tokens >= spy.skipped
     assert (out.stats["drafter_skipped_tokens"] > 0) == (cap is not None)
 
+
+
+def test_a_hole_left_by_plain_steps_is_reported_on_the_next_drafting_step_after_a_context_chain(monkeypatch):
+    """Plain steps past the drafter's catch-up cap, then a context chain (no drafter forward), then a drafting step: the
+    hole is reported on the drafting step, whose drafts it spoils, not swallowed by the context chain between."""
+    from hf_paralleldecode.decoding.speculative import DraftProposer
+    from hf_paralleldecode.drafters.diffusion import DiffusionState
+
+    monkeypatch.setattr(DraftProposer, "context_chains", True)
+    monkeypatch.setattr(DiffusionState, "max_catch_up", 2)
+    plan = iter(["tree"] + ["plain"] * 6 + ["context"] + ["tree"] * 40)
+    lagged_on = []
+
+    def scripted(self, rows):
+        self.close()
+        self._lagged = False
+        want = next(plan)
+        k = {"tree": 0, "plain": self.plain,
+             "context": next(i for i, s in enumerate(self.shapes) if not s.drafter and not s.plain)}[want]
+        self.used[k] += 1
+        self.row_steps[k] += rows
+        self._pending, self._done = (k, 0, 0.0), False
+        return k
+
+    def lagged(self):
+        lagged_on.append((sum(self.used), "context" if not self.current.drafter else self.current.label))
+        self._lagged = True
+
+    monkeypatch.setattr(BatchPolicy, "choose", scripted)
+    monkeypatch.setattr(BatchPolicy, "lagged", lagged)
+    model = enabled("llama")
+    ids, mask = prompts(3)
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False,
+                         decoding="speculative", tree_budget=8, tree_width=2, tree_depth=4, context_matches=2,
+                         return_dict_in_generate=True,
+                         drafter=hfpd.DiffusionDrafter.for_target(model, num_hidden_layers=1, block_size=4))
+    torch.testing.assert_close(out.sequences, reference("llama", 3, 24), rtol=0, atol=0)
+    assert any(label.startswith("context chain") for label in out.stats["shape_steps"])
+    assert out.stats["drafter_skipped_tokens"] > 0
+    # once, on the ninth step: the tree's first drafting step after the plain run and the context chain
+    tree = next(label for label in out.stats["shape_steps"] if label.startswith("tree"))
+    assert lagged_on == [(9, tree)]
 
 def test_one_slow_first_step_does_not_lock_a_shape_out():
     """A shape's step time is the lower median of its recent steps: a first step slowed by a warm-up is outvoted."""
@@ -844,6 +924,10 @@ def test_at_a_large_batch_one_clean_step_that_lost_by_more_than_a_warm_up_is_not
     rates = {i: policy.relative_tokens(i) / policy.seconds(b, i) for i in (2, 3, 4)}
     policy.steps.record(b, 0, 2.4, setup=True)  # the call's first drafting step: the drafter read the prompt too
     assert policy.floor(b, 0) == pytest.approx(0.323) and policy.hopeful(b, 16, 0, rates)  # (chain of 4's time)
+    known = BatchPolicy(shapes_from(4, 16, 20, True))
+    known.steps = type(policy.steps)(known.shapes, known.tuning, policy.steps.state())
+    known.steps.record(b, 3, 0.233 + 1.4, setup="first")  # a chain of 2's first step says what reading it costs
+    assert known.floor(b, 0) == pytest.approx((2.4 - 1.4) / 1.5)  # the tree's setup step less that, over stale
     policy.steps.record(b, 0, 0.955)
     assert policy.floor(b, 0) == pytest.approx(0.955 / 1.5) and not policy.hopeful(b, 16, 0, rates)
     policy.since_tree = 100  # the gap has passed, the tree has fewer than three steps: no revisit, it cannot win
@@ -991,6 +1075,55 @@ def test_a_step_drafted_after_a_capped_catch_up_feeds_neither_the_paired_counts_
     fresh.observe(tree, verdict)
     assert fresh.tokens[0] == pytest.approx(0.98 * 17 + 6)
 
+
+
+def test_what_a_switch_costs_is_kept_apart_from_a_shapes_time_in_step():
+    """A drafting step after steps that did not draft also does the drafter's setup (the prompt on a call's first one,
+    the plain steps' tokens after them): at any batch size its time stays out of the shape's window, and the
+    difference is what a switch of that kind costs. 8.4M JF model, 16 rows: a chain of 2 took 45 ms on a call's first
+    drafting step and about 20 ms in step; charged to its window it looked like 33 ms and kept a chain of 4 that ran
+    1.14x stock alone from ever being measured."""
+    policy = BatchPolicy(shapes_from(4, 16, 20, True))
+    steps, b, chain2 = policy.steps, BatchPolicy.bucket(16), 3
+    assert steps.overhead(b, "first") == 0.0  # nothing known: the first switch is taken at the shape's time
+    steps.record(b, chain2, 0.045, setup="first")
+    assert not policy.times.get((b, chain2)) and policy.seconds(b, chain2) == 0.045  # a stand-in while alone
+    steps.record(b, chain2, 0.020)
+    steps.record(b, chain2, 0.021)
+    steps.record(b, chain2, 0.030, setup="lag")
+    assert policy.times[(b, chain2)] == [0.020, 0.021] and policy.seconds(b, chain2) == pytest.approx(0.0205)
+    assert steps.overhead(b, "first") == pytest.approx(0.0245) and steps.overhead(b, "lag") == pytest.approx(0.0095)
+    assert steps.overhead(BatchPolicy.bucket(32), "lag") == 0.0
+    again = type(steps)(policy.shapes, policy.tuning, steps.state())  # kept for the next call
+    assert again.overhead(b, "first") == pytest.approx(0.0245)
+    steps.record(b, chain2, 0.012, setup="lag")  # much faster than the window: the window was stale, replaced
+    assert policy.times[(b, chain2)] == [0.012]
+
+
+def test_a_switch_is_spread_over_the_steps_it_buys():
+    """The rule charges a drafting shape what a switch to it costs only when the last step did not draft, spread over
+    the steps it is expected to run (the rows' remaining tokens over its tokens per row-step): early in a call a
+    chain that wins in step is switched to, near the end of a call the plain step keeps going."""
+    policy = BatchPolicy(shapes_from(4, 16, 20, True))
+    b, rows, chain2, plain = BatchPolicy.bucket(16), 16, 3, 4
+    policy.tokens, policy.paired_rows = [400.0, 300.0, 280.0, 240.0, 100.0], 100.0  # tree 4 a row-step, chain 2 2.4
+    policy.squares = [t * t / 100.0 for t in policy.tokens]
+    policy.own[0] = [400.0, 100.0]
+    _bucket_times(policy, rows, [0.2, 0.06, 0.04, 0.020, 0.010])  # chain 2: 120 tokens a second, plain 100
+    policy.steps.switches[(b, chain2, "lag")] = [0.050]  # a switch back after plain steps: 30 ms more
+    policy.steps.switches[(b, chain2, "first")] = [0.080]
+    policy.gap = 10 ** 6  # (no revisit of the tree)
+    policy._drafted, policy._in_step = True, True  # the drafter is in step: nothing to pay
+    assert policy.switch(b, chain2) == 0.0 and policy.switch(b, plain) == 0.0
+    policy._in_step = False  # after a plain step
+    policy.remaining = 60.0  # 25 steps of the chain: 1.2 ms each
+    assert policy.switch(b, chain2) == pytest.approx(0.030 / 25)
+    assert policy.start_step(rows, 0.0, None, remaining=60.0) == chain2
+    policy.close()
+    policy._in_step = False
+    assert policy.start_step(rows, 0.0, None, remaining=4.0) == plain  # 30 ms over 1.7 steps: not worth it
+    policy._drafted = False  # a call's first drafting step pays the prompt
+    assert policy.switch(b, chain2) == pytest.approx(0.060 / (4.0 / 2.4))
 
 def test_the_trees_setup_steps_count_as_steps_it_ran_for_the_revisit_rule():
     """While the configured tree has run fewer than three steps in a bucket, its gaps alone decide its revisits (its

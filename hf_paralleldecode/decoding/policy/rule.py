@@ -25,8 +25,14 @@ The rule
       cannot catch up, and a tree that lost at batch 16 is not tried at batch 32. In a bucket a shrinking batch
       passes through, nothing new is measured. A call's first step with a drafter forward (the drafter reads the
       whole prompt then), or one after more plain steps than the drafter catches up on (:meth:`BatchPolicy.lagged`),
-      is a setup step: below ``margin_rows`` rows it never joins a shape's window (it stands in for its time only
-      while there is none), from there only the first two (:meth:`~.times.StepTimes.record`).
+      is a setup step: it never joins a shape's window (it stands in for its time only while there is none); what
+      it took beyond the shape's time in step is what a switch to drafting costs
+      (:meth:`~.times.StepTimes.overhead`), and a drafting shape taken after a step that did not draft pays it,
+      spread over the steps it is expected to run (:meth:`BatchPolicy.switch`): a chain that wins in step is switched
+      to early in a call, not for its last two steps.
+    * Tokens. What the configured tree's steps say of the text's predictability is kept in line with the other
+      speculating shapes' own steps (:meth:`BatchPolicy._level`): at a large batch the tree may run only on a call's
+      first steps, the least predictable text.
     * Revisits. While another shape is faster, the configured tree is revisited (it feeds the paired counts, and the
       text may change) at doubling gaps (``explore_every`` steps, then twice that, up to ``max_gap``) and only when
       a revisit's predicted loss, its time minus the time the best shape takes to commit as many tokens, is covered
@@ -131,6 +137,7 @@ class BatchPolicy:
         self._charge = None  # the step being measured is a revisit paid from the budget: its estimated time
         self._drafted = False  # whether a step of this call ran the drafter (see close)
         self._lagged = False  # the step's drafter had skipped committed tokens (see lagged)
+        self._in_step = False  # whether the last step ran the drafter (else a drafting step is a switch: see switch)
         self._done = False
 
     bucket = staticmethod(bucket)
@@ -223,6 +230,22 @@ class BatchPolicy:
             return 1.0
         return tail.tail_factor(rows, self.remaining, mu, sigma, full, self.steps.drain(bucket, shape, full))
 
+    def switch(self, bucket: int, shape: int) -> float:
+        """What a step of ``shape`` in ``bucket`` pays beyond its time in step, per step of the run it starts: the
+        drafter's setup (:meth:`~.times.StepTimes.overhead`; the prompt on the call's first drafting step, the plain
+        steps' tokens after them) over the steps the shape is expected to run, the rows' remaining new tokens over its
+        tokens per row-step (the time-to-go of a server's request is not known: ``explore_every`` steps then). 0.0 for
+        a shape that drafts nothing (the plain step, a context chain) or when the drafter is in step."""
+        s = self.shapes[shape]
+        if s.plain or not s.drafter or (self._drafted and self._in_step):
+            return 0.0
+        extra = self.steps.overhead(bucket, "lag" if self._drafted else "first")
+        if extra <= 0.0:
+            return 0.0
+        per_row = self.relative_tokens(shape) * (self.tokens[0] / self.paired_rows if self.own[0][1] > 0 else 1.0)
+        steps = self.remaining / max(per_row, 1.0) if self.remaining else float(self.explore_every)
+        return extra / max(steps, 1.0)
+
     def choose(self, rows: int) -> int:
         """The shape (index into ``shapes``) of the next step of a batch of ``rows`` active rows."""
         self.close()
@@ -232,10 +255,11 @@ class BatchPolicy:
         b = bucket(rows)
         allowed = self.allowed(rows)
         inherited = steps.inherited(b)
-        # each allowed shape's step time and predicted rate, once per step (the measuring phase reads them too)
+        # each allowed shape's step time and predicted rate, once per step (the measuring phase reads them too); a
+        # drafting shape after steps that did not draft also pays the switch, spread over the steps it buys
         times = {i: steps.estimate(b, i, inherited) for i in allowed}
-        rate = {i: self.relative_tokens(i) / t * self.tail_factor(b, rows, i, t) for i, t in times.items()
-                if t is not None}
+        rate = {i: self.relative_tokens(i) / (t + self.switch(b, i)) * self.tail_factor(b, rows, i, t)
+                for i, t in times.items() if t is not None}
         # (one shape: nothing to decide)
         young = allowed[0] if len(allowed) == 1 else self._young(b, rows, allowed, inherited, rate)
         if young is not None:
@@ -339,8 +363,9 @@ class BatchPolicy:
     def lagged(self) -> None:
         """The step being run drafted from a drafter that skipped committed tokens (a capped catch-up after a run of
         plain steps: a hole in its context). Its drafts are worse than the shape's in step, and its drafter forward
-        also caught up: once the configured tree has run, such a step does not feed the paired token counts, and its
-        time is a setup step's, like the call's first drafting step (:meth:`~.times.StepTimes.record`). On the 8.4M
+        also caught up: once the configured tree has run, such a step does not feed the paired token counts (nor
+        their level), and its time is a setup step's, like the call's first drafting step
+        (:meth:`~.times.StepTimes.record`). On the 8.4M
         JF model at 32 rows the tree's revisits after plain runs committed 5 tokens a row-step where it commits 6.6 in
         step, which valued the plain step 1.3x over every speculating shape."""
         self._lagged = True
@@ -378,7 +403,42 @@ class BatchPolicy:
                     would = prefix.clamp(max=shape.depth) + 1
                 self.tokens[i] = decay * self.tokens[i] + float(would.sum())
                 self.squares[i] = decay * self.squares[i] + float((would * would).sum())
+        elif pick != 0 and not self.shapes[pick].plain and not lagged and self.own[0][1] > 0:
+            self._level(pick, host[1] if host is not None else verdict.num_accepted.tolist())
         self._done = True
+
+    def _level(self, pick: int, accepted: list[int]) -> None:
+        """A step of a speculating shape other than the configured tree, whose rows accepted ``accepted`` drafted
+        tokens: one more paired step. A chain's step says exactly what every shorter chain of its kind would have
+        committed on it (its accepted prefix, cut to their depth) and the plain step one token; every other shape
+        (the tree, deeper chains) commits its share scaled as the step's own shape's tokens were against the paired
+        sums (at most its depth + 1). At a large batch the tree may run only on a call's first steps, where the text
+        is the least predictable (the 8.4M JF model at 16 rows: the tree 3.7-5.2 tokens a row-step on its first three
+        steps, 8.6-9.9 after; a chain of 4 against a chain of 2, 1.2-1.3x there and 1.4-1.5x after), and sums read
+        there alone valued every speculating shape 20-30% low against the plain step, and deeper chains low against
+        shorter ones, for good: the base model's 1B twin at 16 rows ran plain steps at 0.98x stock beside a chain of 2
+        alone at 1.06x."""
+        decay, paired = self.tuning.decay, self.paired_rows
+        me = self.shapes[pick]
+        rows = len(accepted)
+        expected = self.tokens[pick] / paired
+        if expected <= 0 or rows == 0:
+            return
+        scale = (sum(accepted) + rows) / rows / expected
+        for i, shape in enumerate(self.shapes):
+            if shape.plain:
+                tokens = squares = float(rows)
+            elif i != 0 and shape.width == 1 and shape.drafter == me.drafter and not shape.context \
+                    and me.width == 1 and not me.context and shape.depth <= me.depth:
+                would = [min(a, shape.depth) + 1 for a in accepted]  # exact: a shorter chain of the same kind
+                tokens, squares = float(sum(would)), float(sum(w * w for w in would))
+            else:
+                mean = min(self.tokens[i] / paired * scale, shape.depth + 1.0)
+                spread = self.squares[i] * paired / max(self.tokens[i], 1e-12) ** 2  # second moment over mean^2
+                tokens, squares = rows * mean, rows * mean * mean * spread
+            self.tokens[i] = decay * self.tokens[i] + tokens
+            self.squares[i] = decay * self.squares[i] + squares
+        self.paired_rows = decay * paired + rows
 
     def close(self) -> None:
         """End the step being measured: its time runs from :meth:`choose` to here (the next step's start)."""
@@ -390,8 +450,9 @@ class BatchPolicy:
         # the call's first step with a drafter forward also ran the drafter over the whole prompt, a cost paid once
         # per call, and a lagged one caught up: setup steps (StepTimes.record decides where their time counts)
         drafts = shape.drafter and not shape.plain
-        setup = drafts and (not self._drafted or self._lagged)
+        setup = ("first" if not self._drafted else "lag" if self._lagged else False) if drafts else False
         self._drafted = self._drafted or drafts
+        self._in_step = drafts
         self.steps.record(b, pick, seconds, setup=setup)
         if pick != 0:  # the exploration budget grows with the time spent away from the configured tree
             self.budget += self.tuning.explore_share * seconds

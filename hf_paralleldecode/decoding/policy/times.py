@@ -16,6 +16,11 @@ Buckets
     shape's time in a larger bucket stands in (fewer rows are never slower), and a shape not yet measured in a bucket
     is bounded from below by what is known (:meth:`StepTimes.floor`).
 
+Switches
+    A drafting step after steps that did not draft also does the drafter's setup (the whole prompt on a call's first
+    one, the plain steps' tokens after them). Its time is kept apart, per kind, and what it took beyond the shape's
+    time in step is what a switch costs (:meth:`StepTimes.overhead`); the rule spreads it over the steps a switch buys.
+
 What it deliberately does not know
     Tokens, rates, the rule (:mod:`.rule`); which shape a step ran (the rule tells :meth:`StepTimes.record`).
 """
@@ -57,28 +62,37 @@ class StepTimes:
         self.setup: dict[tuple[int, int], float] = dict(known.get("setup", {})) if known else {}
         # per (bucket, shape): every step it ran, setup steps included (see runs)
         self.run_counts: dict[tuple[int, int], int] = dict(known.get("runs", {})) if known else {}
+        # per (bucket, shape, kind): the last setup steps' times ("first": the call's first drafting step, which read
+        # the prompt into the drafter; "lag": a drafting step after plain steps), what a switch costs (see overhead)
+        self.switches: dict[tuple[int, int, str], list[float]] = (
+            {k: list(v) for k, v in known.get("switches", {}).items()} if known else {})
         self.large = bucket(tuning.margin_rows)  # the first bucket where a shape's own first steps floor it
 
     def state(self) -> dict:
         """What a later call starts from (``known``)."""
         return {"times": {k: list(v) for k, v in self.times.items()}, "best_seen": dict(self.best_seen),
-                "clean": dict(self.clean), "setup": dict(self.setup), "runs": dict(self.run_counts)}
+                "clean": dict(self.clean), "setup": dict(self.setup), "runs": dict(self.run_counts),
+                "switches": {k: list(v) for k, v in self.switches.items()}}
 
-    def record(self, bucket: int, shape: int, seconds: float, setup: bool = False) -> None:
-        """A step of ``shape`` in ``bucket`` took ``seconds``. ``setup``: a step whose drafter forward also did work
-        paid once per call or per switch (the call's first drafting step read the whole prompt; one after a run of
-        plain steps caught up on their tokens): below ``margin_rows`` rows it never joins the window, only stands in
-        for the shape's time while the window is empty (a tree revisited once per call would otherwise be timed only
-        on such steps, look slower than it is and stay locked out); from there it joins a window not yet trusted, as
-        what a switch to the shape costs. One much faster than the window still replaces it: the window is stale."""
+    def record(self, bucket: int, shape: int, seconds: float, setup: bool | str = False) -> None:
+        """A step of ``shape`` in ``bucket`` took ``seconds``. ``setup``: a step whose drafter forward also did work a
+        switch to drafting pays once, ``"first"`` (the call's first drafting step read the whole prompt; ``True``
+        means it too) or ``"lag"`` (a drafting step after plain steps caught up on their tokens). It never joins the
+        window: its time is kept apart (:meth:`overhead`: what a switch costs, which the rule spreads over the steps
+        the switch buys) and stands in for the shape's time only while the window is empty. Charged to the shape's
+        window instead, from 8 rows the switch cost kept winning chains out (the 8.4M JF model at 16 rows timed a
+        chain of 2 at 33 ms on such steps where it takes about 20 ms in step, never measured the chain of 4, and ran
+        plain steps beside a chain of 4 alone 1.14x faster). One much faster than the window still replaces it: the
+        window is stale."""
         key = (bucket, shape)
         self.run_counts[key] = self.run_counts.get(key, 0) + 1
         window = self.times.get(key)
         faster = bool(window) and seconds * self.tuning.stale < self.seconds(bucket, shape)
-        if setup and not faster and (bucket < self.large or self.trusted(bucket, shape)):
-            # (from margin_rows rows a setup step joins a window not yet trusted: there what a switch to the shape
-            # costs is charged to it; the 8.4M models at 32 rows, measured on clean steps alone, took chains that lost
-            # 5-10% to plain steps)
+        if setup and not faster:
+            kind = "first" if setup is True else str(setup)
+            kept = self.switches.setdefault((bucket, shape, kind), [])
+            kept.append(seconds)
+            del kept[: -self.tuning.window]
             if not window:
                 self.setup[key] = min(self.setup.get(key, seconds), seconds)
                 self.best_seen[key] = min(self.best_seen.get(key, seconds), seconds)
@@ -98,6 +112,18 @@ class StepTimes:
         if not setup:
             self.clean[key] = min(self.clean.get(key, seconds), seconds)
         del t[: -self.tuning.window]
+
+    def overhead(self, bucket: int, kind: str) -> float:
+        """What a switch of ``kind`` (:meth:`record`) adds to a drafting step in ``bucket``: over the shapes with a
+        trusted window and such setup steps there, the median setup step's time less the shape's time in step,
+        averaged (never below zero). 0.0 while nothing is known: the first switch is then taken at the shape's time
+        and measured."""
+        extra = []
+        for (k, shape, what), kept in self.switches.items():
+            if k == bucket and what == kind and kept and self.trusted(bucket, shape):
+                median = sorted(kept)[(len(kept) - 1) // 2]
+                extra.append(median - self.seconds(bucket, shape))
+        return max(sum(extra) / len(extra), 0.0) if extra else 0.0
 
     def runs(self, bucket: int, shape: int) -> int:
         """How many steps ``shape`` ran in ``bucket``, setup steps included (which may not be in its window)."""
@@ -188,7 +214,9 @@ class StepTimes:
         the plain step's time here, from ``margin_rows`` rows on of the shape's own fastest step here over ``stale``
         (there a step is mostly the forward's compute: a warm-up adds little, and one step of a tree that lost by 3x
         at 16 rows of a 1B model's CPU cost, a second of a call of 14, is not taken twice more to be sure; a step that
-        also read the prompt into the drafter does not count), and of what the measured shapes here that draft alike
+        also read the prompt into the drafter counts less what such a switch is known to cost here, :meth:`overhead`,
+        and not at all before that is known: the 1B base twin's tree took 2.4 s on such a step, 0.955 s in step), and
+        of what the measured shapes here that draft alike
         and feed fewer nodes say:
         more nodes are never faster, and between shapes of one kind (chains) the time per node does not shrink on
         the convex curve (a chain of 2 and a chain of 4 that took 1.0 and 1.5 s at 64 rows put the chain of 8 at
@@ -220,4 +248,9 @@ class StepTimes:
             out = max(out, plain * ratios[-1])
         if (bucket, shape) in self.clean and bucket >= self.large:
             out = max(out, self.clean[(bucket, shape)] / self.tuning.stale)
+        if bucket >= self.large:  # a setup step less what a switch of its kind is known to cost here, likewise
+            for kind in ("first", "lag"):
+                kept, extra = self.switches.get((bucket, shape, kind)), self.overhead(bucket, kind)
+                if kept and extra > 0.0:
+                    out = max(out, (min(kept) - extra) / self.tuning.stale)
         return out
