@@ -274,3 +274,29 @@ def test_bench_cli_sampling_flags_need_do_sample(capsys):
     with pytest.raises(SystemExit) as exit_:
         cli.main(["bench", "--model", "random-tiny", "--temperature", "0.5", "--max-new-tokens", "4"])
     assert exit_.value.code == 2 and "--do-sample" in capsys.readouterr().err
+
+
+def test_the_paired_regret_script_reports_every_round_and_the_policys_regret(tmp_path):
+    """``scripts/policy_regret.py``: stock, the default and each chain alone, interleaved per batch for several rounds;
+    the report keeps every round's speed against stock and the medians, and the regret is against the best chain."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "policy_regret.py"
+    spec = importlib.util.spec_from_file_location("policy_regret", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = tmp_path / "regret.json"
+    assert script.main(["--model", "default", "--batch-size", "2", "--num-prompts", "4", "--rounds", "2",
+                        "--chains", "4", "2", "--max-new-tokens", "6", "--output", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert set(report["speed_vs_stock_by_round"]) == {"stock", "default", "chain of 4", "chain of 2"}
+    assert all(len(v) == 2 for v in report["speed_vs_stock_by_round"].values())
+    assert report["speed_vs_stock_by_round"]["stock"] == [1.0, 1.0]
+    s = report["all_rounds"]
+    assert s["best_fixed"] in ("chain of 4", "chain of 2")
+    assert s["best_fixed_speed"] == max(s["speed_vs_stock"]["chain of 4"], s["speed_vs_stock"]["chain of 2"])
+    assert s["regret"] == pytest.approx(1 - s["speed_vs_stock"]["default"] / s["best_fixed_speed"])
+    assert report["after_first_round"]["speed_vs_stock"]["default"] == report["speed_vs_stock_by_round"]["default"][1]
+    with pytest.raises(SystemExit, match="num-prompts"):
+        script.main(["--model", "default", "--batch-size", "8", "--num-prompts", "4", "--output", str(out)])

@@ -1098,6 +1098,14 @@ def test_what_a_switch_costs_is_kept_apart_from_a_shapes_time_in_step():
     assert again.overhead(b, "first") == pytest.approx(0.0245)
     steps.record(b, chain2, 0.012, setup="lag")  # much faster than the window: the window was stale, replaced
     assert policy.times[(b, chain2)] == [0.012]
+    # the configured tree from margin_rows rows runs only on revisits, each a switch: there its setup steps are its
+    # time (kept apart, it was never trusted at 16 and 32 rows, floored nothing at 64 and was measured there)
+    steps.record(b, 0, 0.9, setup="first", bursts=True)
+    steps.record(b, 0, 0.8, setup="lag", bursts=True)
+    assert policy.times[(b, 0)] == [0.9, 0.8] and steps.trusted(b, 0)
+    small = BatchPolicy.bucket(4)
+    steps.record(small, 0, 0.3, setup="first", bursts=True)  # below margin_rows rows: kept apart like any shape
+    assert not policy.times.get((small, 0)) and policy.seconds(small, 0) == 0.3
 
 
 def test_a_switch_is_spread_over_the_steps_it_buys():

@@ -453,7 +453,7 @@ class BatchPolicy:
         setup = ("first" if not self._drafted else "lag" if self._lagged else False) if drafts else False
         self._drafted = self._drafted or drafts
         self._in_step = drafts
-        self.steps.record(b, pick, seconds, setup=setup)
+        self.steps.record(b, pick, seconds, setup=setup, bursts=pick == 0)
         if pick != 0:  # the exploration budget grows with the time spent away from the configured tree
             self.budget += self.tuning.explore_share * seconds
         elif self._charge is not None:

@@ -74,7 +74,7 @@ class StepTimes:
                 "clean": dict(self.clean), "setup": dict(self.setup), "runs": dict(self.run_counts),
                 "switches": {k: list(v) for k, v in self.switches.items()}}
 
-    def record(self, bucket: int, shape: int, seconds: float, setup: bool | str = False) -> None:
+    def record(self, bucket: int, shape: int, seconds: float, setup: bool | str = False, bursts: bool = False) -> None:
         """A step of ``shape`` in ``bucket`` took ``seconds``. ``setup``: a step whose drafter forward also did work a
         switch to drafting pays once, ``"first"`` (the call's first drafting step read the whole prompt; ``True``
         means it too) or ``"lag"`` (a drafting step after plain steps caught up on their tokens). It never joins the
@@ -83,14 +83,16 @@ class StepTimes:
         window instead, from 8 rows the switch cost kept winning chains out (the 8.4M JF model at 16 rows timed a
         chain of 2 at 33 ms on such steps where it takes about 20 ms in step, never measured the chain of 4, and ran
         plain steps beside a chain of 4 alone 1.14x faster). One much faster than the window still replaces it: the
-        window is stale."""
+        window is stale. ``bursts``: a shape that runs in short bursts, each a switch (the configured tree from
+        ``margin_rows`` rows, which runs there only on revisits): its setup steps also join a window not yet trusted,
+        where what a switch costs is part of every run it has (kept apart, the tree at 16 and 32 rows was never
+        trusted, floored nothing at 64, and was measured there: two steps at ten plain steps' cost each)."""
         key = (bucket, shape)
         self.run_counts[key] = self.run_counts.get(key, 0) + 1
         window = self.times.get(key)
         faster = bool(window) and seconds * self.tuning.stale < self.seconds(bucket, shape)
-        if setup and not faster:
-            kind = "first" if setup is True else str(setup)
-            kept = self.switches.setdefault((bucket, shape, kind), [])
+        if setup and not faster and not (bursts and bucket >= self.large and not self.trusted(bucket, shape)):
+            kept = self.switches.setdefault((bucket, shape, "first" if setup is True else str(setup)), [])
             kept.append(seconds)
             del kept[: -self.tuning.window]
             if not window:

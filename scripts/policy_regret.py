@@ -1,0 +1,117 @@
+"""The batch policy's regret, paired: stock greedy ``generate``, the default (the batch policy on) and each chain the
+policy chooses from run alone, interleaved per batch of prompts in a rotating order, for several rounds in one
+process; per round each entry's speed is stock's total seconds over its own, and the report keeps every round and the
+median over rounds. A ``bench`` run interleaves too, but its median over two repeats is their mean, and one burst of
+another process on this shared machine moves a whole column; here one round's burst is outvoted.
+
+The first rounds hold the policy's exploration (it starts from nothing in the process, as a server's first calls
+do); the report keeps them, and also gives the medians of the rounds after the first.
+
+    python scripts/policy_regret.py --model default-trained --batch-size 16 --num-prompts 64 --rounds 4 \
+        --output docs/assets/twins/cpu/regret/default-trained-8m_b16.json
+    python scripts/policy_regret.py --model default-1b --dtype bfloat16 --batch-size 16 --num-prompts 32 --rounds 3 \
+        --chains 4 2 --output ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+PROMPTS = ["stdlib_test_midfile.jsonl", "stdlib_test.jsonl"]  # held-out mid-file windows, then function openings
+
+
+def load(model_name: str, dtype: str):
+    """An embedded model (``default``, ``default-trained``) or its cost twin (``default-1b``...), enabled."""
+    import hf_paralleldecode as hfpd
+    from hf_paralleldecode.loading import load_default_model
+
+    twin = model_name.endswith("-1b")
+    model, tokenizer = load_default_model(model_name[: -len("-1b")] if twin else model_name)
+    if twin:
+        model = hfpd.cost_twin(model, "1b", dtype=getattr(torch, dtype))
+    elif dtype != "float32":
+        model = model.to(getattr(torch, dtype))
+    return hfpd.enable(model), tokenizer
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True, help="default, default-trained, default-1b or default-trained-1b")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--batch-size", type=int, required=True)
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--chains", type=int, nargs="+", default=[8, 4, 2], help="chain depths run alone")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--output", required=True)
+    args = ap.parse_args(argv)
+    if args.batch_size < 1 or args.rounds < 1 or args.num_prompts < args.batch_size:
+        raise SystemExit("--batch-size and --rounds must be >= 1 and --num-prompts at least the batch size.")
+    torch.set_num_threads(args.threads)
+    from hf_paralleldecode.prompts import read_prompts
+
+    model, tok = load(args.model, args.dtype)
+    root = Path(__file__).resolve().parents[1] / "hf_paralleldecode" / "assets" / "prompts"
+    texts = [t for name in PROMPTS for t in read_prompts(str(root / name))][: args.num_prompts]
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    batches = [tok(texts[i : i + args.batch_size], return_tensors="pt", padding=True)
+               for i in range(0, len(texts), args.batch_size)]
+    common = dict(do_sample=False)
+    entries = {"stock": {}, "default": dict(decoding="speculative")}
+    for d in args.chains:
+        entries[f"chain of {d}"] = dict(decoding="speculative", adaptive=False, tree_width=1, tree_depth=d,
+                                        tree_budget=d, context_matches=0)
+    for enc in batches:  # warm-up, untimed, short (as bench's)
+        for settings in entries.values():
+            model.generate(**enc, max_new_tokens=min(8, args.max_new_tokens), **common, **settings)
+    seconds = {name: [] for name in entries}
+    names = list(entries)
+    for r in range(args.rounds):
+        total = dict.fromkeys(names, 0.0)
+        for j, enc in enumerate(batches):
+            k = (r + j) % len(names)
+            for name in names[k:] + names[:k]:
+                t0 = time.perf_counter()
+                model.generate(**enc, max_new_tokens=args.max_new_tokens, **common, **entries[name])
+                total[name] += time.perf_counter() - t0
+        for name in names:
+            seconds[name].append(total[name])
+        print(f"round {r}: " + " ".join(f"{n} {total['stock'] / total[n]:.3f}x" for n in names), flush=True)
+
+    def speeds(name, skip=0):
+        return [s / t for s, t in zip(seconds["stock"][skip:], seconds[name][skip:])]
+
+    def summary(skip):
+        if args.rounds <= skip:
+            return None
+        med = {n: statistics.median(speeds(n, skip)) for n in names}
+        best = max((n for n in names if n.startswith("chain")), key=med.get)
+        return {"speed_vs_stock": med, "best_fixed": best, "best_fixed_speed": med[best],
+                "regret": 1.0 - med["default"] / med[best]}
+
+    report = {"model": args.model, "dtype": args.dtype, "batch_size": args.batch_size, "prompts": len(texts),
+              "rounds": args.rounds, "max_new_tokens": args.max_new_tokens, "threads": args.threads,
+              "torch": torch.__version__, "seconds": seconds,
+              "speed_vs_stock_by_round": {n: speeds(n) for n in names},
+              "all_rounds": summary(0), "after_first_round": summary(1)}
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1) + "\n")
+    s = report["all_rounds"]
+    print(f"median over rounds: default {s['speed_vs_stock']['default']:.3f}x, best fixed {s['best_fixed']} "
+          f"{s['best_fixed_speed']:.3f}x, regret {s['regret']:.1%}; wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
