@@ -25,8 +25,9 @@ The rule
       cannot catch up, and a tree that lost at batch 16 is not tried at batch 32. In a bucket a shrinking batch
       passes through, nothing new is measured. A call's first step with a drafter forward (the drafter reads the
       whole prompt then), or one after more plain steps than the drafter catches up on (:meth:`BatchPolicy.lagged`),
-      is a setup step: it never joins a shape's window (it stands in for its time only while there is none); what
-      it took beyond the shape's time in step is what a switch to drafting costs
+      is a setup step: it never joins a shape's window (it stands in for its time only while there is none; the
+      configured tree from ``margin_rows`` rows is the exception, which runs there only on revisits, each a switch);
+      what it took beyond the shape's time in step is what a switch to drafting costs
       (:meth:`~.times.StepTimes.overhead`), and a drafting shape taken after a step that did not draft pays it,
       spread over the steps it is expected to run (:meth:`BatchPolicy.switch`): a chain that wins in step is switched
       to early in a call, not for its last two steps.
