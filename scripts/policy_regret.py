@@ -27,24 +27,11 @@ import torch
 PROMPTS = ["stdlib_test_midfile.jsonl", "stdlib_test.jsonl"]  # held-out mid-file windows, then function openings
 
 
-def load(model_name: str, dtype: str):
-    """An embedded model (``default``, ``default-trained``) or its cost twin (``default-1b``...), enabled."""
-    import hf_paralleldecode as hfpd
-    from hf_paralleldecode.loading import load_default_model
-
-    twin = model_name.endswith("-1b")
-    model, tokenizer = load_default_model(model_name[: -len("-1b")] if twin else model_name)
-    if twin:
-        model = hfpd.cost_twin(model, "1b", dtype=getattr(torch, dtype))
-    elif dtype != "float32":
-        model = model.to(getattr(torch, dtype))
-    return hfpd.enable(model), tokenizer
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", required=True, help="default, default-trained, default-1b or default-trained-1b")
+    ap.add_argument("--model", required=True, help="as bench's --model: default, default-trained-1b, ...")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--device", default=None)
     ap.add_argument("--batch-size", type=int, required=True)
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=4)
@@ -55,10 +42,12 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.batch_size < 1 or args.rounds < 1 or args.num_prompts < args.batch_size:
         raise SystemExit("--batch-size and --rounds must be >= 1 and --num-prompts at least the batch size.")
-    torch.set_num_threads(args.threads)
+    from hf_paralleldecode.cli import _load
+    from hf_paralleldecode.integration import enable
     from hf_paralleldecode.prompts import read_prompts
 
-    model, tok = load(args.model, args.dtype)
+    model, tok, _ = _load(args)  # (--threads applied there; twins built as bench builds them)
+    enable(model)
     root = Path(__file__).resolve().parents[1] / "hf_paralleldecode" / "assets" / "prompts"
     texts = [t for name in PROMPTS for t in read_prompts(str(root / name))][: args.num_prompts]
     tok.padding_side = "left"

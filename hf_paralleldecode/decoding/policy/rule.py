@@ -243,7 +243,7 @@ class BatchPolicy:
         extra = self.steps.overhead(bucket, "lag" if self._drafted else "first")
         if extra <= 0.0:
             return 0.0
-        per_row = self.relative_tokens(shape) * (self.tokens[0] / self.paired_rows if self.own[0][1] > 0 else 1.0)
+        per_row = self.tokens[shape] / self.paired_rows if self.own[0][1] > 0 else self.relative_tokens(shape)
         steps = self.remaining / max(per_row, 1.0) if self.remaining else float(self.explore_every)
         return extra / max(steps, 1.0)
 
@@ -366,9 +366,9 @@ class BatchPolicy:
         plain steps: a hole in its context). Its drafts are worse than the shape's in step, and its drafter forward
         also caught up: once the configured tree has run, such a step does not feed the paired token counts (nor
         their level), and its time is a setup step's, like the call's first drafting step
-        (:meth:`~.times.StepTimes.record`). On the 8.4M
-        JF model at 32 rows the tree's revisits after plain runs committed 5 tokens a row-step where it commits 6.6 in
-        step, which valued the plain step 1.3x over every speculating shape."""
+        (:meth:`~.times.StepTimes.record`). On the 8.4M JF model at 32 rows the tree's revisits after plain runs
+        committed 5 tokens a row-step where it commits 6.6 in step, which valued the plain step 1.3x over every
+        speculating shape."""
         self._lagged = True
 
     def observe(self, tree, verdict) -> None:
@@ -421,6 +421,7 @@ class BatchPolicy:
         alone at 1.06x."""
         decay, paired = self.tuning.decay, self.paired_rows
         me = self.shapes[pick]
+        chain = me.width == 1 and not me.context  # (its accepted prefix is every shorter chain's of its kind)
         rows = len(accepted)
         expected = self.tokens[pick] / paired
         if expected <= 0 or rows == 0:
@@ -429,8 +430,8 @@ class BatchPolicy:
         for i, shape in enumerate(self.shapes):
             if shape.plain:
                 tokens = squares = float(rows)
-            elif i != 0 and shape.width == 1 and shape.drafter == me.drafter and not shape.context \
-                    and me.width == 1 and not me.context and shape.depth <= me.depth:
+            elif chain and i != 0 and shape.width == 1 and shape.drafter == me.drafter and not shape.context \
+                    and shape.depth <= me.depth:
                 would = [min(a, shape.depth) + 1 for a in accepted]  # exact: a shorter chain of the same kind
                 tokens, squares = float(sum(would)), float(sum(w * w for w in would))
             else:

@@ -252,7 +252,7 @@ class StepTimes:
             out = max(out, self.clean[(bucket, shape)] / self.tuning.stale)
         if bucket >= self.large:  # a setup step less what a switch of its kind is known to cost here, likewise
             for kind in ("first", "lag"):
-                kept, extra = self.switches.get((bucket, shape, kind)), self.overhead(bucket, kind)
-                if kept and extra > 0.0:
+                kept = self.switches.get((bucket, shape, kind))
+                if kept and (extra := self.overhead(bucket, kind)) > 0.0:
                     out = max(out, (min(kept) - extra) / self.tuning.stale)
         return out
