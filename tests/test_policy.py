@@ -233,6 +233,39 @@ def test_a_tree_seen_only_on_hard_text_does_not_value_the_chains_low_for_good():
     assert policy.tokens == before
 
 
+def test_a_chain_step_says_what_a_deeper_chain_commits_through_what_it_was_seen_to_commit_beyond_it():
+    """A chain's step is exact for every row that stopped short of its depth (a deeper chain of the same drafter stops
+    there too); on the rows that accepted its whole depth, the deeper chain commits that depth + 1 plus what it was
+    seen to commit beyond it on such rows (the tree's steps, and the deeper chain's own). Scaling every deeper chain
+    by the shallow chain's tokens froze their ratio at the one the tree's steps had seen (the JF model's 1B twin at
+    batch 4 ran a chain of 2 for a whole process beside a chain of 4 alone 1.14x faster)."""
+    owner = SimpleNamespace()
+    shapes = shapes_from(4, 16, 20, True)  # tree, chain 8, chain 4, chain 2, plain
+    policy = BatchPolicy(shapes, clock=FakeClock(), memory=(owner, "key"))
+    b, rows, decay = BatchPolicy.bucket(4), 4, policy.tuning.decay
+
+    def step(pick, accepted, depth):
+        policy._pending, policy._done = (pick, b, policy.clock()), False
+        drafts = torch.arange(1, depth + 1).repeat(rows, 1)
+        path = torch.tensor([[*range(a + 1), *[-1] * (depth - a)] for a in accepted])
+        policy.observe(chain_tree(torch.cat([torch.full((rows, 1), 9), drafts], 1), torch.tensor([depth + 1] * rows)),
+                       SimpleNamespace(path=path, num_accepted=torch.tensor(accepted)))
+
+    step(0, [1, 1, 6, 6], 8)  # the tree: two rows stop at 1, two run 6 along the drafter's chain
+    assert policy.beyond[(3, 2)] == [4.0, 2.0]  # chain 4 beyond chain 2's depth where chain 2 was full: 2 a row
+    assert policy.beyond[(3, 1)] == [8.0, 2.0] and policy.beyond[(2, 1)] == [4.0, 2.0]
+    before = list(policy.tokens)
+    step(3, [2, 2, 2, 0], 2)  # chain 2 on easier text: three rows full, one stops at once
+    assert policy.tokens[3] == pytest.approx(decay * before[3] + 3 + 3 + 3 + 1)  # its own: exact
+    assert policy.tokens[2] == pytest.approx(decay * before[2] + 5 + 5 + 5 + 1)  # chain 4: 2 + 1 + 2 where full
+    assert policy.tokens[1] == pytest.approx(decay * before[1] + 7 + 7 + 7 + 1)  # chain 8: 2 + 1 + 4 where full
+    step(2, [4, 3, 1, 4], 4)  # chain 4's own step is exact for chain 2 beyond its depth, and censored for chain 8
+    assert policy.beyond[(3, 2)] == pytest.approx([decay * 4.0 + 2 + 1 + 2, decay * 2.0 + 3])
+    assert policy.beyond[(2, 1)] == [4.0, 2.0]
+    policy.finish()  # it carries over to the owner's next call, with the rest
+    assert BatchPolicy(shapes, memory=(owner, "key")).beyond == policy.beyond
+
+
 def test_a_chain_that_cannot_beat_the_tree_is_never_measured():
     policy = BatchPolicy(shapes_from(4, 16, 20, True))
     b = BatchPolicy.bucket(1)
