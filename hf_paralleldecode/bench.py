@@ -500,6 +500,8 @@ def run_benchmark(
             tokens_per_second=med(r["tokens"] / r["seconds"] for r in runs),
             decode_tokens_per_second=med(r["decode_tokens"] / r["decode_seconds"] for r in runs),
             speedup_vs_ar=med(a["seconds"] / r["seconds"] for a, r in zip(ar, runs)),
+            # each repeat's own (in order: a learning strategy's first repeat also pays its exploration)
+            speedup_by_repeat=[round(a["seconds"] / r["seconds"], 4) for a, r in zip(ar, runs)],
             # None when there is no decode phase (one new token, or every row stops at once)
             decode_speedup_vs_ar=med(
                 (r["decode_tokens"] / r["decode_seconds"]) / (a["decode_tokens"] / a["decode_seconds"])

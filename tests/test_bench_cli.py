@@ -44,6 +44,9 @@ def test_benchmark_reports_every_figure_and_writes_json_and_png(tmp_path, batch_
         assert 0 <= r["loop_overhead"] < 1
         assert r["host_ms_per_step"] > 0
         assert r["tokens_per_second"] > 0 and r["decode_tokens_per_second"] > 0
+        assert len(r["speedup_by_repeat"]) == 2  # each repeat's ratio, in order; the median is the headline
+        assert r["speedup_vs_ar"] == pytest.approx(sorted(r["speedup_by_repeat"])[0] / 2
+                                                   + sorted(r["speedup_by_repeat"])[1] / 2, rel=1e-3)
     assert abs(report["results"]["ar"]["tpf"] - 1.0) < 1e-9 or batch_size > 1
     assert json.loads((tmp_path / "bench.json").read_text())["repeats"] == 2
     assert (tmp_path / "bench.png").stat().st_size > 1000
