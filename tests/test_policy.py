@@ -945,6 +945,24 @@ def test_a_large_batch_measures_the_narrowest_hopeful_chain_first_and_its_time_f
     assert policy.choose(64) == 4  # the chain of 8 (0.6 / 2.5) cannot beat the plain step: never measured
 
 
+def test_a_large_batch_measures_a_narrower_chain_before_a_wider_hopeful_one_whose_floor_it_would_raise():
+    """When the chain of 4 is not hopeful on the chain of 2's time alone but the chain of 8 is (more tokens over the
+    same floor), the chain of 4 is measured first: with two chains timed, the chain of 8's floor grows by their time
+    per node, and a chain of 8 that cannot win is never measured (the 8.4M base model at 64 rows took three steps of
+    a chain of 8 there, each several plain steps, in a call at 0.84x stock)."""
+    policy = BatchPolicy(shapes_from(4, 16, 20, True))
+    b = BatchPolicy.bucket(64)
+    policy.tokens = [100.0, 80.0, 33.0, 30.0, 15.0]
+    policy.own[0] = [100.0, 20.0]
+    policy.times[(b, 0)] = [3.5] * 2
+    policy.times[(b, 4)] = [0.5] * 2
+    policy.times[(b, 3)] = [1.0] * 2  # the chain of 2 lost: 0.30 / 1.0 against the plain step's 0.15 / 0.5
+    assert not policy.hopeful(b, 64, 2, {4: 0.3}) and policy.hopeful(b, 64, 1, {4: 0.3})
+    assert policy.choose(64) == 2  # the chain of 4 first: its time floors the chain of 8
+    policy.times[(b, 2)] = [1.5] * 2
+    assert policy.choose(64) == 4  # the chain of 8 (0.8 over at least 2.5) cannot beat the plain step
+
+
 def test_at_a_large_batch_one_clean_step_that_lost_by_more_than_a_warm_up_is_not_taken_again():
     """From ``margin_rows`` rows on a shape's own fastest step in the bucket, over ``stale``, floors its time: the 1B
     base twin at 16 rows took 0.95 s for a tree step whose tokens, 5.3 plain steps' worth, a plain step commits in

@@ -324,7 +324,8 @@ class BatchPolicy:
         The configured tree comes first, once (its steps feed the paired counts, which do not depend on the batch
         size), then the plain step of the bucket (the cheapest step there is). Any other shape is measured only
         while it could still win (from ``margin_rows`` rows the narrowest such shape first, whose time then
-        floors the wider ones; below, the most promising): its tokens over its floor (the plain step's time in this bucket, its own time
+        floors the wider ones, and before it a narrower untimed one of its kind whose time would raise its floor;
+        below, the most promising): its tokens over its floor (the plain step's time in this bucket, its own time
         in a smaller bucket carried forward, its ratio to the plain step there) must beat the best rate measured in the
         bucket, with the margin from ``margin_rows`` rows on (:meth:`threshold`). A good tree at batch 1 is not
         left to measure chains that cannot catch up, and a tree that lost at batch 16 is not tried at batch 32.
@@ -355,7 +356,14 @@ class BatchPolicy:
         if not hopeful:
             return None
         if rows >= self.tuning.margin_rows:  # a large batch measures the cheapest hopeful shape first: its time
-            return min(hopeful, key=lambda i: self.shapes[i].budget)  # floors the wider ones (StepTimes.floor)
+            first = min(hopeful, key=lambda i: self.shapes[i].budget)  # floors the wider ones (StepTimes.floor)
+            me = self.shapes[first]
+            # and before it a narrower one of its kind, hopeful or not: timed, it raises the wider one's floor by
+            # their time per node (a chain of 8 may be hopeful over the chain of 2's time where the chain of 4 is not)
+            kind = (me.width, me.context, me.drafter)
+            alike = [i for i in rest if not self.shapes[i].plain and self.shapes[i].budget < me.budget
+                     and (self.shapes[i].width, self.shapes[i].context, self.shapes[i].drafter) == kind]
+            return min(alike, key=lambda i: self.shapes[i].budget) if alike else first
         return max(hopeful, key=optimistic.get)
 
     @property
