@@ -108,6 +108,13 @@ class StepTimes:
             # Before the window is trusted only below margin_rows rows: from there a step is mostly the forward's
             # compute, and measuring a shape again costs several plain steps (the 8.4M base model at 32 rows went
             # from 0.97x stock to 0.88x re-measuring shapes whose first steps had been slower)
+            if bucket < self.large and self.trusted(bucket, shape):
+                # what made the window slow held for every shape timed here: below margin_rows, where a step is
+                # cheap, the others are measured again (kept, the JF 1B twin at batch 1 compared a tree re-timed at
+                # 0.12 s with chains and a plain step timed at 0.3-0.48 s in the process's first calls, and ran the
+                # tree on every step, 20% slower than the chain of 2)
+                for key in [k for k in self.times if k[0] == bucket and k[1] != shape]:
+                    del self.times[key]
             t.clear()
         t.append(seconds)
         self.best_seen[key] = min(self.best_seen.get(key, seconds), seconds)
