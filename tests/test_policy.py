@@ -929,6 +929,7 @@ def test_a_stale_window_found_below_margin_rows_makes_the_other_shapes_there_mea
     policy._pending, policy._done, policy._drafted = (0, b, clock() - 0.12), True, True
     policy.close()  # the tree: 0.12 s where its window says 0.5
     assert policy.times[(b, 0)] == [pytest.approx(0.12)]
+    assert policy.best_seen == {(b, 0): pytest.approx(0.12)}  # the step is the tree's, not another shape's
     assert not any(policy.steps.trusted(b, i) for i in range(1, 5))  # measured again, the plain step first
     assert policy.times[(smaller, 4)] == [0.3] * 4  # (another bucket's conditions are its own)
     assert policy.choose(4) == 4

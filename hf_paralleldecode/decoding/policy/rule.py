@@ -468,7 +468,7 @@ class BatchPolicy:
         if mine:
             self._beyond(accepted, me.depth)
         for i, shape in enumerate(self.shapes):
-            deeper = self.beyond.get((pick, i), (0.0, 0.0)) if mine and i in self.chains else (0.0, 0.0)
+            deeper = self.beyond.get((pick, i), (0.0, 0.0))  # (kept for pairs of drafter chains only)
             if shape.plain:
                 tokens = squares = float(rows)
             elif chain and i != 0 and shape.width == 1 and shape.drafter == me.drafter and not shape.context \

@@ -114,8 +114,8 @@ class StepTimes:
                 # cheap, the others are measured again (kept, the JF 1B twin at batch 1 compared a tree re-timed at
                 # 0.12 s with chains and a plain step timed at 0.3-0.48 s in the process's first calls, and ran the
                 # tree on every step, 20% slower than the chain of 2)
-                for key in [k for k in self.times if k[0] == bucket and k[1] != shape]:
-                    del self.times[key]
+                for other in [k for k in self.times if k[0] == bucket and k[1] != shape]:
+                    del self.times[other]
             t.clear()
         t.append(seconds)
         self.best_seen[key] = min(self.best_seen.get(key, seconds), seconds)
