@@ -990,46 +990,6 @@ def test_step_times_are_read_at_the_current_context_length_on_the_plain_steps_cu
     assert flat.curve(b, 100) is None and flat.seconds(b, plain) == pytest.approx(0.009, rel=0.05)
 
 
-def test_while_plain_steps_win_a_probe_runs_the_cheapest_chain_from_the_budget_twice_when_lagged():
-    """From margin_rows rows a losing tree costs several plain steps and is revisited rarely; the token counts then
-    stay at what its first steps of the process saw, the first tokens after a prompt (the 8.4M JF model at 16 rows: a
-    chain of 4 commits 2.1 tokens a row-step on a call's first step, 4.3-4.6 from its sixth), and the policy ran
-    plain steps beside a chain of 4 alone 1.1x stock. A probe runs the drafter chain whose predicted loss is the
-    smallest once the budget covers it, at most every explore_every steps of a call; a probe whose drafter had
-    skipped committed tokens (after plain steps) taught nothing and runs once more."""
-    clock = FakeClock(10.0)
-    policy = BatchPolicy(shapes_from(4, 16, 20, True), clock=clock)  # tree, chain 8, chain 4, chain 2, plain
-    b, chain2, plain = BatchPolicy.bucket(16), 3, 4
-    # per row-step: tree 4 tokens, chains 2.5 / 2.3 / 2.0, plain 1; rates (tokens / s): 50, 41.7, 57.5, 111, 125
-    _measured(policy, b, seconds=[0.080, 0.060, 0.040, 0.018, 0.008], relative=[0.625, 0.575, 0.5, 0.25])
-    loss = 0.018 * (1 - (0.5 / 0.018) / (0.25 / 0.008))  # 2 ms; the tree's: 48 ms
-    policy.since_tree, policy.budget = 100, 0.010
-    assert [policy.choose(16) for _ in range(16)] == [plain] * 16  # (a call's first probe after explore_every steps)
-    assert policy.choose(16) == chain2 and policy.budget == pytest.approx(0.010 - loss)
-    assert policy.choose(16) == plain
-    for _ in range(15):
-        policy.choose(16)
-    policy.lagged()  # the next probe's drafter caught up on the plain steps' tokens: it runs again, in step
-    assert policy.choose(16) == chain2
-    assert policy.budget == pytest.approx(0.010 - 3 * loss)
-    assert policy.choose(16) == plain
-    policy.budget = 0.5 * loss  # a budget that does not cover it
-    assert {policy.choose(16) for _ in range(40)} == {plain}
-
-
-def test_a_tree_is_not_revisited_for_its_few_steps_in_a_bucket_a_shrinking_batch_passes_through():
-    """A batch of 16 whose rows finish apart passes through 8-15, 4-7, ... rows, where the tree has no steps: there its
-    time at 16 rows stands in and nothing is measured, so the rule that revisits a tree resting on fewer than three
-    steps does not apply (the 8.4M JF model ran its tree at 14, 9, 5 and 4 rows at the end of calls, 40-80 ms a step
-    beside 9 ms plain steps at 16 rows); the budget still can."""
-    policy = BatchPolicy(shapes_from(4, 16, 20, True))
-    _measured(policy, BatchPolicy.bucket(16), seconds=[0.080, 0.060, 0.040, 0.018, 0.008], relative=[0.625, 0.575, 0.5, 0.25])
-    policy.since_tree, policy.budget = 100, 0.0
-    assert all(policy.choose(rows) != 0 for rows in (14, 9, 5, 4))
-    policy.budget = 1.0
-    assert policy.choose(5) == 0
-
-
 def test_a_chain_must_beat_the_configured_tree_by_a_margin_to_replace_it():
     """A chain's tokens are read off the tree's steps (how far the accepted path ran along first children), which
     flatters a chain a little (on the base model's 1B twin at batch 1: predicted 0.65 of the tree's tokens, 0.61

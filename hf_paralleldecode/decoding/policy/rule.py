@@ -145,8 +145,6 @@ class BatchPolicy:
         self._charge = None  # the step being measured is a revisit paid from the budget: its estimated time
         self._drafted = False  # whether a step of this call ran the drafter (see close)
         self._lagged = False  # the step's drafter had skipped committed tokens (see lagged)
-        self._visit = None  # the step is a revisit or a probe away from the chosen shape: its index
-        self.since_probe = 0  # steps of this call since its last probe (see _probe)
         self._length = None  # the context length start_step was given for the next step
         self._in_step = False  # whether the last step ran the drafter (else a drafting step is a switch: see switch)
         self._done = False
@@ -265,10 +263,6 @@ class BatchPolicy:
         :meth:`start_step` was given)."""
         self.close()
         self.steps.length, self._length = self._length, None  # (after the last step was recorded at its own)
-        # a visit away from the chosen shape whose drafter had skipped committed tokens taught nothing (see lagged):
-        # its shape runs once more, now in step
-        again = self._visit if self._lagged and self._visit is not None else None
-        self._visit = None
         self._lagged = False
         tuning, steps = self.tuning, self.steps
         charge = None  # a revisit paid from the budget: the step time its loss was reckoned with
@@ -308,9 +302,7 @@ class BatchPolicy:
             revisit = False
             if best != 0 and 0 in rate and self.since_tree >= self.gap:
                 others = {i: r for i, r in rate.items() if i != 0}
-                if steps.runs(b, 0) < 3 and not inherited and self.hopeful(b, rows, 0, others):
-                    # (not in a bucket a shrinking batch passes through, where nothing is measured: the 8.4M JF
-                    # model at 16 rows ran its tree at 14, 9, 5 and 4 rows at a call's end, 40-80 ms a step)
+                if steps.runs(b, 0) < 3 and self.hopeful(b, rows, 0, others):
                     revisit = True
                 elif self.relative_tokens(0) / (fast := steps.fastest(b, 0)) * self.tail_factor(b, rows, 0, fast) \
                         >= tuning.decisive * self.threshold(b, rows, others):
@@ -324,43 +316,13 @@ class BatchPolicy:
                 if revisit:
                     self.gap = min(2 * self.gap, tuning.max_gap)
             pick = 0 if revisit else best
-            if best == self.plain and not revisit and self.since_tree >= self.gap:
-                # a probe: while plain steps win and the tree is too dear to revisit, the cheapest drafter chain is
-                # run once its loss is covered by the budget; nothing else refreshes the tokens of the text at hand
-                probe = self._probe(times, rate, best)
-                if probe is not None:
-                    pick, loss = probe
-                    self.budget -= loss
-                    charge = times[pick]
-                    self.since_probe = 0
-            if again is not None and again in rate and pick != again:
-                pick, charge = again, times[again]
-                self.budget -= times[again] * max(1.0 - rate[again] / rate[best], 0.0)  # (its loss, like the first's)
-            if pick != best:
-                self._visit = pick
         self._charge = charge
         self.since_tree = 0 if pick == 0 else self.since_tree + 1
-        self.since_probe += 1
         self.used[pick] += 1
         self.row_steps[pick] += int(rows)
         self._pending = (pick, b, self.clock())
         self._done = False
         return pick
-
-    def _probe(self, times: dict, rate: dict, best: int) -> tuple[int, float] | None:
-        """The drafter chain a probe runs and what it is predicted to lose against ``best`` (its time less the time
-        ``best`` takes to commit as many tokens), the smallest such loss; ``None``: none measured, the budget does not
-        cover it, or the call's last probe was fewer than ``explore_every`` steps ago. From margin_rows rows a tree loses several plain steps' time and is revisited rarely, and on
-        the 8.4M JF model at 16 rows the token counts stayed at what the tree's first steps of the process had seen,
-        the first tokens after a prompt (a chain of 4 commits 2.1 tokens a row-step on a call's first step, 4.3-4.6
-        from its sixth): the policy ran plain steps beside a chain of 4 alone 1.1x stock."""
-        if self.since_probe < self.explore_every or self.budget <= 0.0:
-            return None
-        losses = {i: times[i] * max(1.0 - rate[i] / rate[best], 0.0) for i in self.chains if i in rate and rate[i] > 0}
-        if not losses:
-            return None
-        pick = min(losses, key=losses.get)
-        return (pick, losses[pick]) if self.budget >= losses[pick] else None
 
     def _young(self, b: int, rows: int, allowed: list[int], inherited: bool, rate: dict) -> int | None:
         """The shape to measure next in bucket ``b``, or ``None`` when every shape worth measuring is measured.
@@ -547,9 +509,9 @@ class BatchPolicy:
         self._drafted = self._drafted or drafts
         self._in_step = drafts
         self.steps.record(b, pick, seconds, setup=setup, bursts=pick == 0)
-        if self._charge is None:  # the exploration budget grows with the time spent away from the configured tree
-            self.budget += self.tuning.explore_share * seconds if pick != 0 else 0.0
-        else:
+        if pick != 0:  # the exploration budget grows with the time spent away from the configured tree
+            self.budget += self.tuning.explore_share * seconds
+        elif self._charge is not None:
             # a revisit's loss was reckoned with the tree's estimated time; it pays what the step took: a drafter
             # reading the whole prompt (the call's first drafting step, left out of the step times) or catching up
             # on the tokens committed since its last forward is part of what a revisit costs (the budget may go
