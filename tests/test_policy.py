@@ -21,7 +21,6 @@ from hf_paralleldecode.decoding.policy import (
     path_prefix,
     shapes_from,
 )
-from hf_paralleldecode.decoding.policy.times import StepTimes
 from hf_paralleldecode.engine.tree import chain_tree, tree_from_parents
 
 pytestmark = pytest.mark.core
@@ -832,20 +831,15 @@ def test_the_policy_gets_the_rows_remaining_tokens_and_keeps_the_spread_across_c
     seen = []
     real = BatchPolicy.start_step
 
-    lengths = []
-
-    def spy(self, rows, seconds, fed, remaining=None, length=None):
+    def spy(self, rows, seconds, fed, remaining=None):
         seen.append((rows, remaining))
-        lengths.append(length)
-        return real(self, rows, seconds, fed, remaining, length)
+        return real(self, rows, seconds, fed, remaining)
 
     monkeypatch.setattr(BatchPolicy, "start_step", spy)
     memory_of(model).policy.clear()
     model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False, decoding="prompt_lookup")
     assert seen[0] == (3, 11)  # the prefill committed each row's first token
     assert all(0 < r <= 11 for _, r in seen) and [r for _, r in seen] == sorted((r for _, r in seen), reverse=True)
-    # and the context length each step runs at: the cache's slots, the padded prompt's first
-    assert lengths[0] == ids.shape[1] and lengths == sorted(lengths) and lengths[-1] > lengths[0]
     stored = next(iter(memory_of(model).policy.values()))
     assert stored["paired_rows"] > PolicyTuning.prior and len(stored["squares"]) == len(stored["tokens"])
     again = BatchPolicy(list(next(iter(memory_of(model).policy))[3]),
@@ -948,46 +942,6 @@ def test_a_stale_window_found_below_margin_rows_makes_the_other_shapes_there_mea
     policy._pending, policy._done = (0, large, clock() - 1.0), True
     policy.close()
     assert policy.times[(large, 3)] == [2.0] * 4 and policy.times[(large, 4)] == [0.5] * 4
-
-
-def test_step_times_are_read_at_the_current_context_length_on_the_plain_steps_curve():
-    """A step's attention and cache work grow with the context: on the 8.4M base model at 16 rows a plain step took
-    8 ms at a call's start and 10 ms at its end. A window holds steps from wherever its shape last ran, so a chain
-    timed at a call's start was compared with a plain step timed at the last call's end, and looked 1.14x the plain
-    step's rate where it ran at 0.96x. Every window is read at the current step's context length, scaled along the
-    plain step's own time against it."""
-    policy = BatchPolicy(shapes_from(4, 16, 20, True))  # tree, chain 8, chain 4, chain 2, plain
-    steps, b, chain2, plain = policy.steps, BatchPolicy.bucket(16), 3, 4
-    policy.tokens, policy.own[0] = [400.0, 300.0, 250.0, 200.0, 100.0], [400.0, 100.0]  # chain 2: 2 tokens a row-step
-    for i in (0, 1, 2):
-        policy.times[(b, i)] = [1.0] * 4  # (far behind)
-    for length in (100, 101, 102):  # chain 2 at a call's start: 17 ms, where the plain step takes 8
-        steps.length = length
-        steps.record(b, chain2, 0.017)
-    for length in range(100, 165):  # then plain steps to the call's end: 8 ms, growing to 10
-        steps.length = length
-        steps.record(b, plain, 0.008 + 0.002 * (length - 100) / 64)
-    assert steps.seconds(b, plain) == pytest.approx(0.010)  # (read at the last step's length, 164)
-    for length in (100, 164):  # the next call starts at 100: read there, the plain step is 8 ms again
-        policy._length = length
-        assert policy.choose(16) == plain  # 2 tokens in 17 ms lose to 1 in 8 (at 164: 21.25 ms against 10)
-        assert steps.seconds(b, plain) == pytest.approx(0.008 + 0.002 * (length - 100) / 64, rel=0.03)
-        assert steps.seconds(b, chain2) == pytest.approx(0.017 * steps.curve(b, length) / steps.curve(b, 101), rel=5e-3)
-    # the same windows without their lengths are taken as measured: the plain step at the call's end, 9.85 ms, and
-    # chain 2 1.18x its rate
-    bare = BatchPolicy(shapes_from(4, 16, 20, True))
-    bare.tokens, bare.own[0] = list(policy.tokens), list(policy.own[0])
-    bare.times = {k: list(v) for k, v in policy.times.items()}
-    bare._length = 100
-    assert bare.choose(16) == chain2
-    # a curve is kept with the measurements for the owner's next call; lengths that do not spread pin no curve
-    again = StepTimes(policy.shapes, policy.tuning, steps.state())
-    assert again.curve(b, 100) == pytest.approx(steps.curve(b, 100))
-    flat = StepTimes(policy.shapes, policy.tuning)
-    for i in range(20):
-        flat.length = 100 + i % 3
-        flat.record(b, plain, 0.008 + 0.001 * (i % 3))
-    assert flat.curve(b, 100) is None and flat.seconds(b, plain) == pytest.approx(0.009, rel=0.05)
 
 
 def test_a_chain_must_beat_the_configured_tree_by_a_margin_to_replace_it():

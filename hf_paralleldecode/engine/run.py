@@ -450,7 +450,7 @@ def decode(model, name, make_proposer, input_ids, logits_processor, stopping_cri
             policy = proposer.policy
             if policy is not None:
                 policy.start_step(int(run.rows.numel()), run.target.seconds, fed,
-                                  run.log.mean_remaining(run.rows.tolist()), run.slots.num_slots)
+                                  run.log.mean_remaining(run.rows.tolist()))
             tree = proposer.propose()
             verdict = run.step(tree)
             fed = tree.tokens.numel()

@@ -145,7 +145,6 @@ class BatchPolicy:
         self._charge = None  # the step being measured is a revisit paid from the budget: its estimated time
         self._drafted = False  # whether a step of this call ran the drafter (see close)
         self._lagged = False  # the step's drafter had skipped committed tokens (see lagged)
-        self._length = None  # the context length start_step was given for the next step
         self._in_step = False  # whether the last step ran the drafter (else a drafting step is a switch: see switch)
         self._done = False
 
@@ -212,16 +211,13 @@ class BatchPolicy:
         cap = self.max_step_tokens
         return [i for i, s in enumerate(self.shapes) if s.plain or cap is None or rows * (s.budget + 1) <= cap]
 
-    def start_step(self, rows: int, forward_seconds: float, fed: int | None, remaining: float | None = None,
-                   length: int | None = None) -> int:
+    def start_step(self, rows: int, forward_seconds: float, fed: int | None, remaining: float | None = None) -> int:
         """Before a step: the node budget's timings (the target's cumulated forward seconds and the tokens of the
-        last forward, on this policy's clock), the active rows' mean remaining new tokens (``None``: unknown), the
-        context length the step runs at (the cache's slots; ``None``: unknown, every time is then taken as measured;
-        see :meth:`~.times.StepTimes.seconds`), then :meth:`choose`."""
+        last forward, on this policy's clock), the active rows' mean remaining new tokens (``None``: unknown), then
+        :meth:`choose`."""
         if self.nodes is not None:
             self.nodes.observe(forward_seconds, fed, now=self.clock())
         self.remaining = remaining
-        self._length = length
         return self.choose(rows)
 
     def tail_factor(self, bucket: int, rows: int, shape: int, full: float | None = None) -> float:
@@ -259,10 +255,8 @@ class BatchPolicy:
         return extra / max(steps, 1.0)
 
     def choose(self, rows: int) -> int:
-        """The shape (index into ``shapes``) of the next step of a batch of ``rows`` active rows (at the context length
-        :meth:`start_step` was given)."""
+        """The shape (index into ``shapes``) of the next step of a batch of ``rows`` active rows."""
         self.close()
-        self.steps.length, self._length = self._length, None  # (after the last step was recorded at its own)
         self._lagged = False
         tuning, steps = self.tuning, self.steps
         charge = None  # a revisit paid from the budget: the step time its loss was reckoned with

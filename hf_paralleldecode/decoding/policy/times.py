@@ -68,46 +68,12 @@ class StepTimes:
         self.switches: dict[tuple[int, int, str], list[float]] = (
             {k: list(v) for k, v in known.get("switches", {}).items()} if known else {})
         self.large = bucket(tuning.margin_rows)  # the first bucket where a shape's own first steps floor it
-        # per (bucket, shape): the context length (cache slots) each step of its window ran at (None: not given), and
-        # per bucket the decayed sums [weight, L, t, L*L, L*t] of the plain step's times against it: the curve every
-        # window is read at the current step's length by (see curve)
-        self.lengths: dict[tuple[int, int], list[float | None]] = (
-            {k: list(v) for k, v in known.get("lengths", {}).items()} if known else {})
-        self.fits: dict[int, list[float]] = {k: list(v) for k, v in known.get("fits", {}).items()} if known else {}
-        self.curves = {k: self._fit(k) for k in self.fits}
-        self.length: float | None = None  # the context length of the step being chosen (None: not given)
 
     def state(self) -> dict:
         """What a later call starts from (``known``)."""
         return {"times": {k: list(v) for k, v in self.times.items()}, "best_seen": dict(self.best_seen),
                 "clean": dict(self.clean), "setup": dict(self.setup), "runs": dict(self.run_counts),
-                "switches": {k: list(v) for k, v in self.switches.items()},
-                "lengths": {k: list(v) for k, v in self.lengths.items()}, "fits": {k: list(v) for k, v in self.fits.items()}}
-
-    def _fit(self, bucket: int) -> tuple[float, float] | None:
-        """The plain step's time in ``bucket`` as ``a + slope * length`` (``slope >= 0``: a longer context is never
-        faster), from its decayed sums; ``None`` while they do not pin it down (under ``min_fit`` plain steps' weight
-        or a spread of lengths under ``min_spread`` slots)."""
-        w, sl, st, sll, slt = self.fits[bucket]
-        if w < self.min_fit:
-            return None
-        ml, mt = sl / w, st / w
-        var = sll / w - ml * ml
-        if var < self.min_spread ** 2:
-            return None
-        slope = max((slt / w - ml * mt) / var, 0.0)
-        a = mt - slope * ml
-        return (a, slope) if a > 0.0 else None
-
-    def curve(self, bucket: int, length: float | None) -> float | None:
-        """What a step at ``length`` costs in ``bucket`` on the plain step's curve (:meth:`_fit`); ``None``: unknown."""
-        fit = self.curves.get(bucket)
-        return None if fit is None or length is None else fit[0] + fit[1] * length
-
-    #: plain steps' decayed weight before their curve of time against the context length is used, and the spread of
-    #: lengths (slots, standard deviation) it needs
-    min_fit = 8.0
-    min_spread = 4.0
+                "switches": {k: list(v) for k, v in self.switches.items()}}
 
     def record(self, bucket: int, shape: int, seconds: float, setup: bool | str = False, bursts: bool = False) -> None:
         """A step of ``shape`` in ``bucket`` took ``seconds``. ``setup``: a step whose drafter forward also did work a
@@ -136,9 +102,6 @@ class StepTimes:
             return
         self.setup.pop(key, None)
         t = self.times.setdefault(key, [])
-        at = self.lengths.setdefault(key, [])
-        if len(at) != len(t):  # (a window set without its lengths: the lengths are not known)
-            at[:] = [None] * len(t)
         if faster and (self.trusted(bucket, shape) or bucket < self.large):
             # the window's steps ran under conditions that have passed: another process's burst, or a warm-up (on a
             # GPU a shape's first steps in a process can take 10x its later ones, first lazy initialisations, then
@@ -153,22 +116,12 @@ class StepTimes:
                 # tree on every step, 20% slower than the chain of 2)
                 for other in [k for k in self.times if k[0] == bucket and k[1] != shape]:
                     del self.times[other]
-                    self.lengths.pop(other, None)
             t.clear()
-            at.clear()
         t.append(seconds)
-        at.append(self.length)
         self.best_seen[key] = min(self.best_seen.get(key, seconds), seconds)
         if not setup:
             self.clean[key] = min(self.clean.get(key, seconds), seconds)
-            if shape == self.plain and self.length is not None:  # the plain step's curve against the context length
-                decay, length = self.tuning.decay, float(self.length)
-                sums = self.fits.setdefault(bucket, [0.0] * 5)
-                for i, v in enumerate((1.0, length, seconds, length * length, length * seconds)):
-                    sums[i] = decay * sums[i] + v
-                self.curves[bucket] = self._fit(bucket)
         del t[: -self.tuning.window]
-        del at[: -self.tuning.window]
 
     def overhead(self, bucket: int, kind: str) -> float:
         """What a switch of ``kind`` (:meth:`record`) adds to a drafting step in ``bucket``: over the shapes with a
@@ -194,14 +147,6 @@ class StepTimes:
         samples = self.times.get((bucket, shape))
         if not samples:
             return self.setup.get((bucket, shape))
-        now = self.curve(bucket, self.length)
-        lengths = self.lengths.get((bucket, shape))
-        if now is not None and lengths and len(lengths) == len(samples):
-            # each step read at the current context length on the plain step's curve (a step's attention and cache
-            # work grow with it: on the 8.4M model at 16 rows a plain step took 8 ms at a call's start, 10 at its
-            # end, and a chain timed early in calls looked 1.14x the plain step's rate where it ran at 0.96x)
-            samples = [t * min(max(now / then, 0.5), 2.0) if (then := self.curve(bucket, at)) else t
-                       for t, at in zip(samples, lengths)]
         kept = sorted(samples)[:-1] if len(samples) >= 3 else samples
         return sum(kept) / len(kept)
 
