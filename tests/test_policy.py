@@ -944,6 +944,20 @@ def test_a_stale_window_found_below_margin_rows_makes_the_other_shapes_there_mea
     assert policy.times[(large, 3)] == [2.0] * 4 and policy.times[(large, 4)] == [0.5] * 4
 
 
+def test_a_tree_is_not_revisited_for_its_few_steps_in_a_bucket_a_shrinking_batch_passes_through():
+    """A batch of 16 whose rows finish apart passes through 8-15, 4-7, ... rows, where the tree has no steps: there its
+    time at 16 rows stands in and nothing is measured, so the rule that revisits a tree resting on fewer than three
+    steps does not apply (the 8.4M JF model ran its tree at 14, 9, 5 and 4 rows at the end of calls, 40-80 ms a step
+    beside 9 ms plain steps at 16 rows); the budget still can."""
+    policy = BatchPolicy(shapes_from(4, 16, 20, True))
+    _measured(policy, BatchPolicy.bucket(16), seconds=[0.080, 0.060, 0.040, 0.018, 0.008],
+              relative=[0.625, 0.575, 0.5, 0.25])
+    policy.since_tree, policy.budget = 100, 0.0
+    assert all(policy.choose(rows) != 0 for rows in (14, 9, 5, 4))
+    policy.budget = 1.0
+    assert policy.choose(5) == 0
+
+
 def test_a_chain_must_beat_the_configured_tree_by_a_margin_to_replace_it():
     """A chain's tokens are read off the tree's steps (how far the accepted path ran along first children), which
     flatters a chain a little (on the base model's 1B twin at batch 1: predicted 0.65 of the tree's tokens, 0.61
