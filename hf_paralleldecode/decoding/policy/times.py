@@ -13,9 +13,9 @@ Buckets
     steps without the slowest one once there are three, and a step much faster than the estimate (``stale``)
     replaces the window, below ``margin_rows`` rows also before the shape is trusted (a warm-up's steps, each faster
     than the last, are not averaged into its time); below ``margin_rows`` a trusted window found stale also sends
-    the bucket's other shapes back to be measured (what slowed it slowed them). A batch that shrinks passes through smaller buckets, where a
-    shape's time in a larger bucket stands in (fewer rows are never slower), and a shape not yet measured in a bucket
-    is bounded from below by what is known (:meth:`StepTimes.floor`).
+    the bucket's other shapes back to be measured (what slowed it slowed them). A batch that shrinks passes through
+    smaller buckets, where a shape's time in a larger bucket stands in (fewer rows are never slower), and a shape not
+    yet measured in a bucket is bounded from below by what is known (:meth:`StepTimes.floor`).
 
 Switches
     A drafting step after steps that did not draft also does the drafter's setup (the whole prompt on a call's first
