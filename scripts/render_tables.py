@@ -99,7 +99,14 @@ def _label(strategy: str) -> str:
             return f"chain of {settings['tree_depth']} alone"
         if settings == {"adaptive": "False"}:
             return "configured tree alone (`adaptive=False`)"
+    if _plain(strategy):
+        return "plain steps alone (`max_step_tokens=1`)"
     return f"`{strategy}`"
+
+
+def _plain(strategy: str) -> bool:
+    """The library's plain step run alone: ``speculative`` with one token a row per forward (no speculation)."""
+    return strategy.split("(")[0] == "speculative" and _settings(strategy) == {"max_step_tokens": "1"}
 
 
 def _order(strategy: str) -> tuple:
@@ -130,6 +137,8 @@ def render_bench(spec: dict) -> str:
 
 
 def _shape_name(strategy: str) -> str:
+    if _plain(strategy):
+        return "plain steps"
     settings = _settings(strategy)
     if settings.get("tree_width") == "1":
         return f"chain of {settings['tree_depth']}"
@@ -138,9 +147,9 @@ def _shape_name(strategy: str) -> str:
 
 def policy_rows(report: dict, policy: str = "speculative") -> dict:
     """``{policy speed, best fixed shape, its speed, regret}`` of one bench report: the fixed shapes are its
-    ``adaptive=False`` strategies."""
+    ``adaptive=False`` strategies and the plain step alone (``max_step_tokens=1``) where it ran."""
     results = report["results"]
-    fixed = {s: r["speedup_vs_ar"] for s, r in results.items() if "adaptive=False" in s}
+    fixed = {s: r["speedup_vs_ar"] for s, r in results.items() if "adaptive=False" in s or _plain(s)}
     best = max(fixed, key=fixed.get)
     mine = results[policy]["speedup_vs_ar"]
     return dict(policy=mine, best=_shape_name(best), best_speed=fixed[best], regret=1 - mine / fixed[best],

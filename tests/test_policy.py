@@ -1012,14 +1012,16 @@ def test_at_a_large_batch_one_clean_step_that_lost_by_more_than_a_warm_up_is_not
     """From ``margin_rows`` rows on a shape's own fastest step in the bucket, over ``stale``, floors its time: the 1B
     base twin at 16 rows took 0.95 s for a tree step whose tokens, 5.3 plain steps' worth, a plain step commits in
     0.125 s; the tree was taken three times more to be sure (4 s of a 14 s call). A step that also read the prompt
-    into the drafter does not count, and at fewer rows (where a warm-up can be most of a step) nothing changes."""
+    into the drafter does not count in its floor (the tree's hope there reads it: every visit pays one), and at fewer
+    rows (where a warm-up can be most of a step) nothing changes."""
     policy = BatchPolicy(shapes_from(4, 16, 20, True))
     b = BatchPolicy.bucket(16)
     policy.tokens, policy.own[0] = [100.0, 62.9, 50.4, 39.4, 18.7], [100.0, 20.0]
     _bucket_times(policy, 16, [None, None, 0.323, 0.233, 0.125])
     rates = {i: policy.relative_tokens(i) / policy.seconds(b, i) for i in (2, 3, 4)}
     policy.steps.record(b, 0, 2.4, setup=True)  # the call's first drafting step: the drafter read the prompt too
-    assert policy.floor(b, 0) == pytest.approx(0.323) and policy.hopeful(b, 16, 0, rates)  # (chain of 4's time)
+    assert policy.floor(b, 0) == pytest.approx(0.323)  # (the chain of 4's time: the read is not its time in step)
+    assert not policy.hopeful(b, 16, 0, rates)  # but every visit there pays a read: 2.4 / 1.5 s bounds its hope
     known = BatchPolicy(shapes_from(4, 16, 20, True))
     known.steps = type(policy.steps)(known.shapes, known.tuning, policy.steps.state())
     known.steps.record(b, 3, 0.233 + 1.4, setup="first")  # a chain of 2's first step says what reading it costs
@@ -1247,3 +1249,31 @@ def test_the_trees_setup_steps_count_as_steps_it_ran_for_the_revisit_rule():
     assert policy.times[(b, 0)] == [0.080, 0.080] and policy.steps.runs(b, 0) == 3  # (the window was set by hand)
     policy.since_tree = 100
     assert policy.choose(16) != 0  # now the budget decides, and it covers no loss
+
+
+def test_at_a_large_batch_a_tree_whose_visits_cost_more_than_its_floor_is_not_measured_or_revisited_for_free():
+    """From ``margin_rows`` rows the tree runs only on visits, each a switch: its drafter reads the whole prompt (a
+    call's first step) or the tokens since its last forward. Its floor leaves those reads out (they are not its time
+    in step), so a tree resting on one or two such steps looked hopeful at a floor a fifth of what each visit took:
+    the 8.4M JF model at 16 rows measured and revisited it outside the budget, 67-100 ms a step beside 9 ms plain
+    steps, and ran at 0.95x stock where plain steps alone ran at 0.99x. There its hope also reads its fastest step,
+    reads included, over ``stale``; the budget still revisits it, and below ``margin_rows`` rows nothing changes."""
+    policy = BatchPolicy(shapes_from(4, 16, 20, True))
+    b = BatchPolicy.bucket(16)
+    policy.tokens, policy.own[0] = [100.0, 50.0, 40.0, 30.0, 20.0], [100.0, 20.0]
+    _bucket_times(policy, 16, [None, 0.034, 0.026, 0.020, 0.009])
+    policy.steps.record(b, 0, 0.100, setup="first", bursts=True)  # its one step, at a call's start
+    assert policy.floor(b, 0) == pytest.approx(0.034)  # (the chain of 8's time: the read is not its time in step)
+    assert 1 / 0.034 > 1.15 * 0.2 / 0.009 > 1 / (0.100 / 1.5)  # hopeful at that floor, not at what a visit costs
+    assert policy.steps.runs(b, 0) == 1 and not policy.hopeful(b, 16, 0, {4: 0.2 / 0.009})
+    policy.since_tree, policy.budget = 100, 0.0
+    assert policy.choose(16) == 4
+    policy.close()
+    policy.since_tree, policy.budget = 100, 1.0  # the budget covers the loss: revisited
+    assert policy.choose(16) == 0
+    small = BatchPolicy(shapes_from(4, 16, 20, True))
+    small.tokens, small.own[0] = list(policy.tokens), [100.0, 20.0]
+    _bucket_times(small, 4, [None, 0.034, 0.026, 0.020, 0.009])
+    small.steps.record(BatchPolicy.bucket(4), 0, 0.100)
+    small.since_tree, small.budget = 100, 0.0
+    assert small.choose(4) == 0  # below margin_rows: its gaps alone, as before

@@ -17,16 +17,17 @@ TREE="speculative:adaptive=false"
 C8="speculative:adaptive=false,tree_width=1,tree_depth=8,tree_budget=8,context_matches=0"
 C4="speculative:adaptive=false,tree_width=1,tree_depth=4,tree_budget=4,context_matches=0"
 C2="speculative:adaptive=false,tree_width=1,tree_depth=2,tree_budget=2,context_matches=0"
+PLAIN="speculative:max_step_tokens=1"  # the library's plain step alone (no speculation): stock's work, our loop
 want() { [ -z "${ONLY:-}" ] || [[ " $ONLY " == *" $1 "* ]]; }
 run() { local name=$1; shift; echo "=== $name $(date +%T)"; "$@" --output-dir "$OUT/$name" > "$OUT/$name.log" 2>&1
         echo "rc=$? $(date +%T)"; grep -v "Loading\|bench:" "$OUT/$name.log" | tail -n 12; }
 for m in default-trained default; do  # the 8.4M models at 16-64 rows beside the shapes the policy chooses from
   want large8m && run "large_$m-8m" $BENCH --model "$m" --prompts $P2 --num-prompts "$NB" --batch-sizes 16 32 64 \
-    --repeats "$REP" --strategies speculative $TREE $C8 $C4 $C2
+    --repeats "$REP" --strategies speculative $TREE $C8 $C4 $C2 $PLAIN
 done
 for m in default-trained default; do  # batch 64 on all 64 prompts, 4 and 16 on 32
   want batch64 && run "batch64_$m-$SHAPE" $BENCH --model "$m-$SHAPE" --dtype bfloat16 --prompts $P2 --num-prompts "$NB" \
-    --batch-sizes 64 --repeats "$REPB" --strategies speculative $TREE $C4 $C2
+    --batch-sizes 64 --repeats "$REPB" --strategies speculative $TREE $C4 $C2 $PLAIN
 done
 for m in default-trained default; do
   want batch && run "batch_$m-$SHAPE" $BENCH --model "$m-$SHAPE" --dtype bfloat16 --prompts $P2 --num-prompts "$NB16" \
