@@ -41,6 +41,14 @@ def test_shapes_are_the_configured_tree_then_shorter_chains_without_context_then
     assert Shape(1, 4, 4, True, drafter=False).label == "context chain d4"
 
 
+def test_shapes_of_one_kind_differ_by_depth_and_budget_only():
+    """A kind (width, context matches, drafter forward) is what lets one shape's time floor another's: the drafter's
+    chains are one kind, the context chains another, the configured tree a third."""
+    chains = [Shape(1, d, d, False) for d in (8, 4, 2)]
+    assert len({c.kind for c in chains}) == 1
+    assert Shape(1, 4, 4, True, drafter=False).kind != chains[0].kind != Shape(4, 16, 20, True).kind
+
+
 def test_path_prefix_counts_the_accepted_nodes_that_follow_a_given_path():
     verdict = _verdict([[0, 3, 7, 8], [0, 3, -1, -1], [0, 1, 2, 5]])
     nodes = torch.tensor([[3, 7, 9], [3, 7, -1], [4, -1, -1]])

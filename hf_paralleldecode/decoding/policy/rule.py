@@ -369,9 +369,8 @@ class BatchPolicy:
             me = self.shapes[first]
             # and before it a narrower one of its kind, hopeful or not: timed, it raises the wider one's floor by
             # their time per node (a chain of 8 may be hopeful over the chain of 2's time where the chain of 4 is not)
-            kind = (me.width, me.context, me.drafter)
             alike = [i for i in rest if not self.shapes[i].plain and self.shapes[i].budget < me.budget
-                     and (self.shapes[i].width, self.shapes[i].context, self.shapes[i].drafter) == kind]
+                     and self.shapes[i].kind == me.kind]
             return min(alike, key=lambda i: self.shapes[i].budget) if alike else first
         return max(hopeful, key=optimistic.get)
 

@@ -46,6 +46,12 @@ class Shape:
         return self.depth == 0
 
     @property
+    def kind(self) -> tuple[int, bool, bool]:
+        """What shapes of one kind share: width, context matches and the drafter forward. They differ by depth and
+        budget only, so their step times lie on one curve of nodes fed (:meth:`~.times.StepTimes.floor`)."""
+        return self.width, self.context, self.drafter
+
+    @property
     def label(self) -> str:
         if self.plain:
             return "plain"

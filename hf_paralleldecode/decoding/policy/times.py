@@ -238,7 +238,7 @@ class StepTimes:
         smaller = [k for k in range(bucket) if self.trusted(k, shape)]
         out = plain or 0.0
         me = self.shapes[shape]
-        narrower = sorted((other.budget + 1, self.seconds(bucket, j), (other.width, other.context) == (me.width, me.context))
+        narrower = sorted((other.budget + 1, self.seconds(bucket, j), other.kind == me.kind)
                           for j, other in enumerate(self.shapes)
                           if not other.plain and other.drafter == me.drafter and other.budget < me.budget
                           and self.trusted(bucket, j))
