@@ -43,14 +43,15 @@ The rule
       pays what it took, not its estimate: a drafter that reads the whole prompt on the call's first drafting step,
       or catches up on the tokens committed since its last forward, makes a revisit cost several tree steps, and the
       next one waits until the steps away from the tree have paid for it. Until the tree has three steps in the
-      bucket (its time may still hold a warm-up step) the gaps alone decide, if its floor leaves it a chance (not in a
-      bucket a shrinking batch passes through, where its time in a larger one stands in). A tree that loses a little
-      is revisited every few dozen steps, one that loses a step's worth of time at a large batch rarely. A tree that
-      would win by ``decisive`` (2x) at the fastest step it ever took in the bucket is revisited at its gaps whatever
-      the budget, and a step much faster than a shape's estimate (``stale``: 1.5x) replaces its
-      window: times measured while another process ran do not lock a shape out. The gap, the budget and the steps
-      since the last visit carry over to the next call, like the measurements: a server's short requests do not
-      each pay for a revisit.
+      bucket (its time may still hold a warm-up step) the gaps alone decide, if its floor leaves it a chance (from
+      ``margin_rows`` rows also what its visits are seen to cost, reads included: :meth:`BatchPolicy.optimistic`; and
+      not in a bucket a shrinking batch passes through, where its time in a larger one stands in). A tree that loses a
+      little is revisited every few dozen steps, one that loses a step's worth of time at a large batch rarely. A
+      tree that would win by ``decisive`` (2x) at the fastest step it ever took in the bucket is revisited at its gaps
+      whatever the budget, and a step much faster than a shape's estimate (``stale``: 1.5x) replaces its window:
+      times measured while another process ran do not lock a shape out. The gap, the budget and the steps since the
+      last visit carry over to the next call, like the measurements: a server's short requests do not each pay for a
+      revisit.
     * The tail. A shape's rate is scaled by :meth:`BatchPolicy.tail_factor` (:mod:`.tail`), predicted from the
       spread of its tokens per row-step (paired, like the tokens), the rows' remaining new tokens and the shape's
       step times at fewer rows.
