@@ -3,7 +3,9 @@
 Method
     Every repeat runs, for each prompt, AR first and then every strategy on the same inputs
     (interleaved, so drifts of a noisy machine hit all of them alike); one untimed warm-up pass
-    comes first. Per run it records:
+    comes first. Every timed run starts after a full garbage collection (untimed), so no run pays for garbage
+    an earlier one left: a full collection of the bench's process took about 230 ms on 2 CPU threads, and it landed
+    on whichever run crossed the collector's threshold. Per run it records:
 
     * end-to-end seconds (the whole ``generate`` call) and decode-only seconds (from the first
       generated token reaching the streamer to the end), hence tokens/s both ways;
@@ -29,6 +31,7 @@ What it deliberately does not do
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import statistics
@@ -296,6 +299,7 @@ def _one_run(model, enc, spec: StrategySpec | None, max_new_tokens: int, timer: 
     pad = model.generation_config.pad_token_id
     eos = model.generation_config.eos_token_id
     resolved, stats, ours, draft = {}, {}, False, None
+    gc.collect()  # (untimed: each run pays for its own garbage only)
     timer.reset()
     sync()
     t0 = time.perf_counter()
