@@ -2,7 +2,7 @@
 # The realistic-cost tables of the Performance page on a CPU: the 1B cost twins of both embedded models
 # (hf_paralleldecode.cost_twin; --model default-1b / default-trained-1b), beside stock (batched) generate and
 # transformers' prompt lookup in the same run. Writes docs/assets/twins/cpu/<section>/; render the page with
-# `python scripts/render_tables.py` afterwards. About 70 minutes on 2 cores; ONLY="b1 roofline" runs some sections
+# `python scripts/render_tables.py` afterwards. About 80 minutes on 2 cores; ONLY="b1 roofline" runs some sections
 # (batch64 batch b1 sample fp32 roofline sample03 large8m); REP (batch 1, greedy) and REPB (the rest) set the interleaved
 # repeats.
 #   bash recipes/benchmarks/twins_cpu.sh
