@@ -1,8 +1,10 @@
-"""The batch policy's regret, paired: stock greedy ``generate``, the default (the batch policy on) and each chain the
-policy chooses from run alone, interleaved per batch of prompts in a rotating order, for several rounds in one
-process; per round each entry's speed is stock's total seconds over its own, and the report keeps every round and the
-median over rounds. A ``bench`` run interleaves too, but its median over two repeats is their mean, and one burst of
-another process on this shared machine moves a whole column; here one round's burst is outvoted.
+"""The batch policy's regret, paired: stock greedy ``generate``, the default (the batch policy on), each chain the
+policy chooses from run alone and the plain step alone (``max_step_tokens=1``: stock's work in the library's loop),
+interleaved per batch of prompts in a rotating order, for several rounds in one process, each timed run after a
+garbage collection (as bench's); per round each entry's speed is stock's total seconds over its own, and the report
+keeps every round and the median over rounds. The regret is against the best of the fixed shapes. A ``bench`` run
+interleaves too, but its median over two repeats is their mean, and one burst of another process on this shared
+machine moves a whole column; here one round's burst is outvoted.
 
 The first rounds hold the policy's exploration (it starts from nothing in the process, as a server's first calls
 do); the report keeps them, and also gives the medians of the rounds after the first.
@@ -16,6 +18,7 @@ do); the report keeps them, and also gives the medians of the rounds after the f
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -60,6 +63,8 @@ def main(argv=None) -> int:
     for d in args.chains:
         entries[f"chain of {d}"] = dict(decoding="speculative", adaptive=False, tree_width=1, tree_depth=d,
                                         tree_budget=d, context_matches=0)
+    entries["plain steps"] = dict(decoding="speculative", max_step_tokens=1)
+    fixed = [n for n in entries if n not in ("stock", "default")]
     for enc in batches:  # warm-up, untimed, short (as bench's)
         for settings in entries.values():
             model.generate(**enc, max_new_tokens=min(8, args.max_new_tokens), **common, **settings)
@@ -70,6 +75,7 @@ def main(argv=None) -> int:
         for j, enc in enumerate(batches):
             k = (r + j) % len(names)
             for name in names[k:] + names[:k]:
+                gc.collect()  # (untimed: each run pays for its own garbage only)
                 t0 = time.perf_counter()
                 model.generate(**enc, max_new_tokens=args.max_new_tokens, **common, **entries[name])
                 total[name] += time.perf_counter() - t0
@@ -84,7 +90,7 @@ def main(argv=None) -> int:
         if args.rounds <= skip:
             return None
         med = {n: statistics.median(speeds(n, skip)) for n in names}
-        best = max((n for n in names if n.startswith("chain")), key=med.get)
+        best = max(fixed, key=med.get)
         return {"speed_vs_stock": med, "best_fixed": best, "best_fixed_speed": med[best],
                 "regret": 1.0 - med["default"] / med[best]}
 
