@@ -279,7 +279,7 @@ def test_bench_cli_sampling_flags_need_do_sample(capsys):
     assert exit_.value.code == 2 and "--do-sample" in capsys.readouterr().err
 
 
-def test_the_paired_regret_script_reports_every_round_and_the_policys_regret(tmp_path):
+def test_the_paired_regret_script_reports_every_round_and_the_policys_regret(tmp_path, monkeypatch):
     """``scripts/policy_regret.py``: stock, the default, each chain alone and the plain step alone, interleaved per batch
     for several rounds, each timed run after a garbage collection; the report keeps every round's speed against stock
     and the medians, and the regret is against the best fixed shape (a chain or plain steps)."""
@@ -293,12 +293,10 @@ def test_the_paired_regret_script_reports_every_round_and_the_policys_regret(tmp
     out = tmp_path / "regret.json"
     collected = []
     real = script.gc.collect
-    script.gc.collect = lambda *a: collected.append(a) or real(*a)
-    try:
-        assert script.main(["--model", "default", "--batch-size", "2", "--num-prompts", "4", "--rounds", "2",
-                            "--chains", "4", "2", "--max-new-tokens", "6", "--output", str(out)]) == 0
-    finally:
-        script.gc.collect = real
+    monkeypatch.setattr(script.gc, "collect", lambda *a: collected.append(a) or real(*a))
+    assert script.main(["--model", "default", "--batch-size", "2", "--num-prompts", "4", "--rounds", "2",
+                        "--chains", "4", "2", "--max-new-tokens", "6", "--output", str(out)]) == 0
+    monkeypatch.undo()
     assert len(collected) == 2 * 2 * 5  # rounds x batches x entries: before every timed run
     report = json.loads(out.read_text())
     fixed = ("chain of 4", "chain of 2", "plain steps")
