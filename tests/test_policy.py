@@ -709,6 +709,9 @@ def test_the_first_drafting_step_of_a_call_does_not_set_the_shapes_time_once_it_
     assert len(later.times[(b, 0)]) == 3 and len(later.times[(b, 1)]) == 1
 
 
+FIRST = PolicyTuning(explore_after=0)  # a large batch's choices at a call's very first step (no deferral)
+
+
 def _bucket_times(policy, rows, seconds):
     b = BatchPolicy.bucket(rows)
     for i, s in enumerate(seconds):
@@ -721,7 +724,7 @@ def test_a_new_larger_bucket_measures_only_the_shapes_whose_floor_leaves_hope():
     # each other shape's floor is its time at 32 rows times its growth from 16 to 32, or the plain step's time
     # times its ratio to the plain step at 32 rows: none leaves hope against the plain step (15% margin), so none is
     # measured (each would cost 4 to 10 plain steps)
-    policy = BatchPolicy(shapes_from(4, 16, 20, True))
+    policy = BatchPolicy(shapes_from(4, 16, 20, True), tuning=FIRST)
     policy.tokens, policy.own[0] = [100.0, 65.7, 44.7, 30.3, 11.3], [100.0, 20.0]
     _bucket_times(policy, 16, [0.0892, 0.0568, 0.0388, 0.0400, 0.0126])
     _bucket_times(policy, 32, [0.1737, 0.1091, 0.0709, 0.0600, 0.0203])
@@ -732,7 +735,7 @@ def test_a_new_larger_bucket_measures_only_the_shapes_whose_floor_leaves_hope():
     assert policy.floor(b, 3) == pytest.approx(0.0342 * 0.0600 / 0.0203)  # the chain of 2: ratio 3.0, not growth 1.5
     assert {policy.choose(64) for _ in range(40)} == {4}
     # at 32 rows, from 8 and 16: the tree's floor (7.1 plain steps, 8.9x their tokens) leaves hope
-    policy = BatchPolicy(shapes_from(4, 16, 20, True))
+    policy = BatchPolicy(shapes_from(4, 16, 20, True), tuning=FIRST)
     policy.tokens, policy.own[0] = [100.0, 65.7, 44.7, 30.3, 11.3], [100.0, 20.0]
     _bucket_times(policy, 8, [0.0638, 0.0433, 0.0271, 0.0277, 0.0123])
     _bucket_times(policy, 16, [0.0892, 0.0568, 0.0388, None, 0.0126])
@@ -983,7 +986,7 @@ def test_a_large_batch_measures_the_narrowest_hopeful_chain_first_and_its_time_f
     """At 64 rows a chain of 8 feeds 576 tokens: in a process that never saw a smaller batch, only the plain step
     floors it. The narrowest chain is measured first, and the measured chains floor the wider ones (never faster; on
     a convex curve, no cheaper per node), so a chain of 8 that cannot win is never measured."""
-    policy = BatchPolicy(shapes_from(4, 16, 20, True))
+    policy = BatchPolicy(shapes_from(4, 16, 20, True), tuning=FIRST)
     b = BatchPolicy.bucket(64)
     policy.tokens = [100.0, 60.0, 45.0, 30.0, 15.0]
     policy.own[0] = [100.0, 20.0]
@@ -998,12 +1001,44 @@ def test_a_large_batch_measures_the_narrowest_hopeful_chain_first_and_its_time_f
     assert policy.choose(64) == 4  # the chain of 8 (0.6 / 2.5) cannot beat the plain step: never measured
 
 
+def test_a_large_batch_measures_and_revisits_nothing_in_a_calls_first_steps():
+    """From ``margin_rows`` rows a call's first ``explore_after`` steps take the best measured shape (here the plain
+    step) and neither measure a hopeful new shape nor revisit the tree: those steps draft the least predictable text
+    and pay the drafter's read of the prompt, so what they measure values every speculating shape low (the 8.4M
+    base model at 16 rows: regret 6.2% of its best fixed shape without the deferral, 2.7% with it, paired over 8
+    rounds). From the next step on the policy measures as before; below ``margin_rows`` rows, and with
+    ``explore_after=0``, nothing is deferred."""
+
+    def fresh(rows, **tuning):
+        policy = BatchPolicy(shapes_from(4, 16, 20, True), tuning=PolicyTuning(**tuning))
+        b = BatchPolicy.bucket(rows)
+        policy.tokens, policy.own[0] = [100.0, 60.0, 45.0, 30.0, 15.0], [100.0, 20.0]
+        policy.times[(b, 0)] = [3.5] * 2  # the tree: losing, but young (two steps) and hopeful at its floor
+        policy.times[(b, 4)] = [0.5] * 2  # the plain step; the chains are untimed, the chain of 2 hopeful
+        policy.since_tree, policy.budget = 100, 100.0
+        return policy
+
+    policy = fresh(64)
+    assert PolicyTuning().explore_after == 3
+    assert [policy.choose(64) for _ in range(3)] == [4, 4, 4]  # neither the young chain nor the tree
+    assert policy.choose(64) == 3  # then the narrowest hopeful chain is measured, as without the deferral
+    assert fresh(64, explore_after=0).choose(64) == 3
+    assert fresh(64, explore_after=1).choose(64) == 4
+    assert fresh(4).choose(4) in (1, 2, 3)  # below margin_rows rows an untimed chain is measured at once
+    # the deferral counts the call's steps, not the bucket's: a shape it measured in an earlier call is taken at once
+    timed = fresh(64)
+    timed.times[(BatchPolicy.bucket(64), 3)] = [0.1] * 4  # the chain of 2 measured fast in an earlier call
+    assert timed.choose(64) == 3
+    with pytest.raises(ValueError, match="PolicyTuning.explore_after must be an integer >= 0"):
+        PolicyTuning(explore_after=-1)
+
+
 def test_a_large_batch_measures_a_narrower_chain_before_a_wider_hopeful_one_whose_floor_it_would_raise():
     """When the chain of 4 is not hopeful on the chain of 2's time alone but the chain of 8 is (more tokens over the
     same floor), the chain of 4 is measured first: with two chains timed, the chain of 8's floor grows by their time
     per node, and a chain of 8 that cannot win is never measured (the 8.4M base model at 64 rows took three steps of
     a chain of 8 there, each several plain steps, in a call at 0.84x stock)."""
-    policy = BatchPolicy(shapes_from(4, 16, 20, True))
+    policy = BatchPolicy(shapes_from(4, 16, 20, True), tuning=FIRST)
     b = BatchPolicy.bucket(64)
     policy.tokens = [100.0, 80.0, 33.0, 30.0, 15.0]
     policy.own[0] = [100.0, 20.0]
@@ -1244,7 +1279,7 @@ def test_the_trees_setup_steps_count_as_steps_it_ran_for_the_revisit_rule():
     time may hold a warm-up). Its steps after plain runs are setup steps that do not join its window: counted there
     alone, the tree at 16 rows of the 8.4M JF model stayed 'young' for good and was revisited at every gap (6 steps
     of a call's ~120 at five plain steps' cost each). Every step it ran counts."""
-    policy = BatchPolicy(shapes_from(4, 16, 20, True), explore_every=4)
+    policy = BatchPolicy(shapes_from(4, 16, 20, True), explore_every=4, tuning=FIRST)
     b = BatchPolicy.bucket(16)
     policy.tokens, policy.own[0] = [100.0, 70.0, 50.0, 35.0, 20.0], [100.0, 20.0]
     for i, s in enumerate([0.080, 0.050, 0.045, 0.040, 0.020]):  # the chain of 8 best; the tree's floor (0.05) hopeful
@@ -1266,7 +1301,7 @@ def test_at_a_large_batch_a_tree_whose_visits_cost_more_than_its_floor_is_not_me
     the 8.4M JF model at 16 rows measured and revisited it outside the budget, 67-100 ms a step beside 9 ms plain
     steps, and ran at 0.95x stock where plain steps alone ran at 0.99x. There its hope also reads its fastest step,
     reads included, over ``stale``; the budget still revisits it, and below ``margin_rows`` rows nothing changes."""
-    policy = BatchPolicy(shapes_from(4, 16, 20, True))
+    policy = BatchPolicy(shapes_from(4, 16, 20, True), tuning=FIRST)
     b = BatchPolicy.bucket(16)
     policy.tokens, policy.own[0] = [100.0, 50.0, 40.0, 30.0, 20.0], [100.0, 20.0]
     _bucket_times(policy, 16, [None, 0.034, 0.026, 0.020, 0.009])
@@ -1279,7 +1314,7 @@ def test_at_a_large_batch_a_tree_whose_visits_cost_more_than_its_floor_is_not_me
     policy.close()
     policy.since_tree, policy.budget = 100, 1.0  # the budget covers the loss: revisited
     assert policy.choose(16) == 0
-    small = BatchPolicy(shapes_from(4, 16, 20, True))
+    small = BatchPolicy(shapes_from(4, 16, 20, True), tuning=FIRST)
     small.tokens, small.own[0] = list(policy.tokens), [100.0, 20.0]
     _bucket_times(small, 4, [None, 0.034, 0.026, 0.020, 0.009])
     small.steps.record(BatchPolicy.bucket(4), 0, 0.100)

@@ -276,8 +276,11 @@ class BatchPolicy:
         times = {i: steps.estimate(b, i, inherited) for i in allowed}
         rate = {i: self.relative_tokens(i) / (t + self.switch(b, i)) * self.tail_factor(b, rows, i, t)
                 for i, t in times.items() if t is not None}
-        # (one shape: nothing to decide)
+        # (one shape: nothing to decide; a large batch's first steps of a call measure nothing but the plain step)
+        early = rows >= tuning.margin_rows and sum(self.used) < tuning.explore_after and self.plain in rate
         young = allowed[0] if len(allowed) == 1 else self._young(b, rows, allowed, inherited, rate)
+        if early and young not in (None, self.plain):
+            young = None
         if young is not None:
             pick = young
         else:
@@ -302,7 +305,7 @@ class BatchPolicy:
             # (a time resting on fewer than three steps may hold a warm-up step: the tree is then revisited at its
             # gaps alone, or one slow step could lock it out for good, unless even its floor loses)
             revisit = False
-            if best != 0 and 0 in rate and self.since_tree >= self.gap:
+            if best != 0 and 0 in rate and self.since_tree >= self.gap and not early:
                 others = {i: r for i, r in rate.items() if i != 0}
                 if steps.runs(b, 0) < 3 and not inherited and self.hopeful(b, rows, 0, others):
                     # (not in a bucket a shrinking batch passes through, where nothing is measured: the 8.4M JF
