@@ -97,6 +97,13 @@ def _load(args):
 
     dtype = getattr(torch, args.dtype)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    from .hardware import cpu_has_fast_matmul
+
+    if torch.device(device).type == "cpu" and not cpu_has_fast_matmul(dtype):
+        print(f"warning: --dtype {args.dtype} on this CPU: its oneDNN has no {args.dtype} matrix kernel (no AVX-512), "
+              f"so torch multiplies such matrices on a fallback whose cost grows with every token fed, many times "
+              f"float32's. Speed figures measure that fallback, not the model; use --dtype float32 here, or a CPU "
+              f"with AVX-512 (bf16) or AMX.", file=sys.stderr)
     if args.model.startswith("random-"):
         tokenizer = load_tokenizer(default_model_path())
         model = random_model(args.model, vocab_size=len(tokenizer))

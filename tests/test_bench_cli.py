@@ -310,3 +310,40 @@ def test_the_paired_regret_script_reports_every_round_and_the_policys_regret(tmp
     assert report["after_first_round"]["speed_vs_stock"]["default"] == report["speed_vs_stock_by_round"]["default"][1]
     with pytest.raises(SystemExit, match="num-prompts"):
         script.main(["--model", "default", "--batch-size", "8", "--num-prompts", "4", "--output", str(out)])
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_a_half_precision_run_on_a_cpu_without_a_fast_kernel_for_it_is_warned_of(tmp_path, capsys, monkeypatch, fast):
+    """On a CPU whose oneDNN has no bf16 / fp16 matrix kernel (AVX2 only: no AVX-512) torch multiplies such matrices
+    on a slow fallback whose cost grows with every token fed (measured here: a 2048 x 2048 bf16 product 122 s, fp32
+    0.28 s; a 1B cost twin's bf16 prefill took minutes). A bench in that dtype measures the fallback, not a model's
+    cost, so the command says so at the start, naming the fix; where the kernel exists it says nothing."""
+    from hf_paralleldecode import hardware
+
+    monkeypatch.setattr(hardware, "cpu_has_fast_matmul", lambda dtype: fast or dtype == torch.float32)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "def f(x):\\n    return"}\n')
+    argv = ["bench", "--model", "random-tiny", "--prompts", str(prompts), "--max-new-tokens", "4", "--repeats", "1",
+            "--strategies", "jacobi:block_size=4", "--device", "cpu", "--output-dir", str(tmp_path / "o")]
+    assert cli.main([*argv, "--dtype", "bfloat16"]) == 0
+    err = capsys.readouterr().err
+    if fast:
+        assert "warning" not in err
+    else:
+        assert "warning: --dtype bfloat16 on this CPU" in err and "--dtype float32" in err
+    assert cli.main(argv) == 0  # float32 is never warned of
+    assert "warning" not in capsys.readouterr().err
+
+
+def test_the_fast_matmul_probe_answers_for_each_dtype_and_survives_a_missing_torch_probe(monkeypatch):
+    from hf_paralleldecode import hardware
+
+    assert hardware.cpu_has_fast_matmul(torch.float32) is True
+    for dtype in (torch.bfloat16, torch.float16):
+        assert isinstance(hardware.cpu_has_fast_matmul(dtype), bool)
+    hardware.cpu_has_fast_matmul.cache_clear()
+    monkeypatch.setitem(hardware._FAST_MATMUL_PROBES, torch.bfloat16, "_a_probe_torch_renamed")
+    try:
+        assert hardware.cpu_has_fast_matmul(torch.bfloat16) is True  # unknown: no warning on a guess
+    finally:
+        hardware.cpu_has_fast_matmul.cache_clear()

@@ -4,7 +4,8 @@
 # transformers' prompt lookup in the same run. Writes docs/assets/twins/cpu/<section>/; render the page with
 # `python scripts/render_tables.py` afterwards. About 80 minutes on 2 cores; ONLY="b1 roofline" runs some sections
 # (batch64 batch b1 sample fp32 roofline sample03 large8m); REP (batch 1, greedy) and REPB (the rest) set the interleaved
-# repeats.
+# repeats. The bf16 sections need oneDNN's bf16 kernel (a CPU with AVX-512): on an AVX2-only CPU every bf16 bench
+# warns at its start and measures torch's slow fallback instead (docs/troubleshooting.md).
 #   bash recipes/benchmarks/twins_cpu.sh
 set -u
 cd "$(dirname "$0")/../.."
