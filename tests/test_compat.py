@@ -227,6 +227,8 @@ def test_no_file_outside_compat_names_the_cache_argument():
 NOT_TRANSFORMERS = {
     "_is_avx512_bf16_supported": "torch.cpu probe (hardware.py)",
     "_is_amx_tile_supported": "torch.cpu probe (hardware.py)",
+    "_is_mkldnn_bf16_supported": "torch.ops.mkldnn probe of oneDNN's bf16 kernel (hardware.py)",
+    "_is_mkldnn_fp16_supported": "torch.ops.mkldnn probe of oneDNN's fp16 kernel (hardware.py)",
     "_hfpd_drafter": "the library's own attribute on a model (integration.py)",
     "_hfpd_target_key": "the library's own attribute on a model naming it for the batch policy's measurements (decoding/policy.py)",
     "_orig_mod": "the module torch.compile wraps (integration.py refuses the wrapper, naming it)",
