@@ -99,11 +99,13 @@ def _load(args):
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     from .hardware import cpu_has_fast_matmul
 
-    if torch.device(device).type == "cpu" and not cpu_has_fast_matmul(dtype):
-        print(f"warning: --dtype {args.dtype} on this CPU: its oneDNN has no {args.dtype} matrix kernel (no AVX-512), "
-              f"so torch multiplies such matrices on a fallback whose cost grows with every token fed, many times "
-              f"float32's. Speed figures measure that fallback, not the model; use --dtype float32 here, or a CPU "
-              f"with AVX-512 (bf16) or AMX.", file=sys.stderr)
+    if torch.device(device).type == "cpu" and not cpu_has_fast_matmul(dtype) and not getattr(args, "_warned", False):
+        args._warned = True  # once per command (demo loads two models)
+        needs = "AVX-512" if dtype == torch.bfloat16 else "AVX-512-FP16 or AMX"
+        print(f"warning: --dtype {args.dtype} on this CPU: its oneDNN has no {args.dtype} matrix kernel (it needs "
+              f"{needs}), so torch multiplies such matrices on a fallback whose cost grows with every token fed, "
+              f"many times float32's. Speed figures measure that fallback, not the model; use --dtype float32 here, "
+              f"or a CPU with {needs}.", file=sys.stderr)
     if args.model.startswith("random-"):
         tokenizer = load_tokenizer(default_model_path())
         model = random_model(args.model, vocab_size=len(tokenizer))
