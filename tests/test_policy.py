@@ -1003,10 +1003,10 @@ def test_a_large_batch_measures_the_narrowest_hopeful_chain_first_and_its_time_f
 
 def test_a_large_batch_measures_and_revisits_nothing_in_a_calls_first_steps():
     """From ``margin_rows`` rows a call's first ``explore_after`` steps take the best measured shape (here the plain
-    step) and neither measure a hopeful new shape nor revisit the tree: those steps draft the least predictable text
-    and pay the drafter's read of the prompt, so what they measure values every speculating shape low (the 8.4M
-    JF model at 16 rows: a chain of 4 commits 2.1 tokens a row-step on a call's first step, 4.3-4.6 from its sixth). From the next step on the policy measures as before; below ``margin_rows`` rows, and with
-    ``explore_after=0``, nothing is deferred."""
+    step) and neither measure a hopeful new shape nor revisit the tree: those steps draft the least predictable text,
+    so what they measure values every speculating shape low (the 8.4M JF model at 16 rows: a chain of 4 commits 2.1
+    tokens a row-step on a call's first step, 4.3-4.6 from its sixth). From the next step on the policy measures as
+    before; below ``margin_rows`` rows, and with ``explore_after=0``, nothing is deferred."""
 
     def fresh(rows, **tuning):
         policy = BatchPolicy(shapes_from(4, 16, 20, True), tuning=PolicyTuning(**tuning))

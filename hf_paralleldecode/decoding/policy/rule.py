@@ -276,10 +276,11 @@ class BatchPolicy:
         times = {i: steps.estimate(b, i, inherited) for i in allowed}
         rate = {i: self.relative_tokens(i) / (t + self.switch(b, i)) * self.tail_factor(b, rows, i, t)
                 for i, t in times.items() if t is not None}
-        # (one shape: nothing to decide; a large batch's first steps of a call measure nothing but the plain step)
+        # (one shape: nothing to decide; a large batch's first steps of a call, once the plain step is timed, measure
+        # no new speculating shape and revisit no tree: they take the best shape measured so far)
         early = rows >= tuning.margin_rows and sum(self.used) < tuning.explore_after and self.plain in rate
         young = allowed[0] if len(allowed) == 1 else self._young(b, rows, allowed, inherited, rate)
-        if early and young not in (None, self.plain):
+        if early and young != self.plain:
             young = None
         if young is not None:
             pick = young

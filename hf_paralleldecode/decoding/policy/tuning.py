@@ -62,8 +62,8 @@ class PolicyTuning:
     explore_after: int = field(default=3, metadata={"help": (
         "From `margin_rows` rows, once the plain step is timed in the bucket, the steps of a call before a new "
         "speculating shape is measured or the tree revisited (0: from its first step): a call's first steps draft "
-        "the least predictable text, so counts read there value every speculating shape low (the 8.4M JF model at 16 rows: a chain of 4 "
-        "commits 2.1 tokens a row-step on a call's first step, 4.3-4.6 from its sixth).")})
+        "the least predictable text, so counts read there value every speculating shape low (the 8.4M JF model at "
+        "16 rows: a chain of 4 commits 2.1 tokens a row-step on a call's first step, 4.3-4.6 from its sixth).")})
 
     def __post_init__(self):
         def bad(name, need):
