@@ -1032,6 +1032,39 @@ def test_a_large_batch_measures_and_revisits_nothing_in_a_calls_first_steps():
         PolicyTuning(explore_after=-1)
 
 
+def test_the_deferral_counts_a_calls_own_steps_not_the_buckets():
+    """The deferral covers each call's first ``explore_after`` steps, also when the owner's memory already holds many
+    steps in the bucket from earlier calls: every call starts on the least predictable text (a server's next request
+    included). What an earlier call measured is used at once; what it left unmeasured is measured after the deferred
+    steps, as in the first call."""
+    owner, clock, shapes = SimpleNamespace(), FakeClock(), shapes_from(4, 16, 20, True)  # tree, chains 8 4 2, plain
+    b = BatchPolicy.bucket(64)
+
+    def call(steps, seconds):
+        policy = BatchPolicy(shapes, clock=clock, memory=(owner, "key"))
+        picks = []
+        for _ in range(steps):
+            picks.append(policy.choose(64))
+            policy._done = True  # (the step's verification ran: close() times it on the next choose)
+            clock.advance(seconds[picks[-1]])
+        policy.finish()
+        return picks, policy
+
+    first = BatchPolicy(shapes, clock=clock, memory=(owner, "key"))
+    first.tokens, first.own[0] = [100.0, 60.0, 45.0, 30.0, 15.0], [100.0, 20.0]
+    first.times[(b, 0)] = [3.5] * 2  # the tree: losing, but young and hopeful at its floor
+    first.times[(b, 4)] = [0.5] * 4  # the plain step, trusted; the chains untimed, the chain of 2 hopeful
+    first.since_tree, first.budget = 100, 100.0
+    first.finish()
+    seconds = {0: 3.5, 1: 2.0, 2: 1.2, 3: 0.7, 4: 0.5}
+    picks, _ = call(2, seconds)  # a short call: both its steps deferred, nothing new measured
+    assert picks == [4, 4]
+    picks, policy = call(4, seconds)  # the bucket now holds 6 plain steps: the next call still defers its first 3
+    assert picks == [4, 4, 4, 3]  # then measures the chain of 2, as the first call would have
+    assert policy.steps.runs(b, 3) == 1
+    picks, _ = call(4, seconds)  # the chain of 2 (3 tokens in 0.7 s against 1 in 0.5 s) is measured: used at once
+    assert picks[0] == 3
+
 def test_a_large_batch_measures_a_narrower_chain_before_a_wider_hopeful_one_whose_floor_it_would_raise():
     """When the chain of 4 is not hopeful on the chain of 2's time alone but the chain of 8 is (more tokens over the
     same floor), the chain of 4 is measured first: with two chains timed, the chain of 8's floor grows by their time
