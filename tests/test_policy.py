@@ -1065,6 +1065,65 @@ def test_the_deferral_counts_a_calls_own_steps_not_the_buckets():
     picks, _ = call(4, seconds)  # the chain of 2 (3 tokens in 0.7 s against 1 in 0.5 s) is measured: used at once
     assert picks[0] == 3
 
+def _stale_plain(rows=16, memory=None, clock=None):
+    """A policy at ``rows`` rows whose plain step's window was timed slow (45 ms, a burst of another process: it runs
+    in 31 ms) while the chain of 2 took 80 ms: the chain is predicted 12% faster than the plain step and taken."""
+    policy = BatchPolicy(shapes_from(4, 16, 20, True), clock=clock or FakeClock(), memory=memory)
+    policy.tokens, policy.own[0] = [100.0, 60.0, 45.0, 30.0, 15.0], [100.0, 20.0]  # chain of 2: 2x the plain step
+    _bucket_times(policy, rows, [1.0, 0.5, 0.5, 0.080, 0.045])  # the tree and the deeper chains lose clearly
+    policy.times[(BatchPolicy.bucket(rows), 4)] = [0.045] * 8
+    return policy
+
+
+def _steps(policy, rows, n, seconds):
+    """Run ``n`` steps of ``rows`` rows on the policy's fake clock; each shape's step takes ``seconds[shape]``."""
+    picks = []
+    for _ in range(n):
+        picks.append(policy.choose(rows))
+        policy._done = True  # (the step's verification ran: close() times it on the next choose)
+        policy.clock.advance(seconds[picks[-1]])
+    return picks
+
+
+def test_a_large_batch_times_the_plain_step_again_when_its_window_is_old_and_the_race_is_close():
+    """From ``margin_rows`` rows, while a speculating shape is taken over the plain step, the plain step's window is
+    not refreshed by anything else: one timed during another process's burst kept a chain on for whole calls (the
+    8.4M base model at 16 rows: the plain step's window said 40-45 ms where it ran in 31 ms, and the chain of 2,
+    8% slower per token than the plain step on that CPU, ran three calls in a row). After ``explore_every`` steps
+    in the bucket, once the exploration budget (``explore_share`` of those steps' time) covers the predicted loss of
+    ``min_samples`` plain steps, the plain step runs again and its new steps replace its window."""
+    clock = FakeClock()
+    policy = _stale_plain(clock=clock)
+    real = {0: 1.0, 1: 0.5, 2: 0.5, 3: 0.080, 4: 0.031}
+    picks = _steps(policy, 16, 40, real)
+    assert picks[:16] == [3] * 16  # a close race: the chain of 2 is taken on the stale window
+    first = picks.index(4)
+    assert 16 <= first <= 20 and picks[first:first + 2] == [4, 4]  # then the plain step, twice (its new window)
+    assert set(picks[first:]) == {4}  # 1/0.031 beats 2/0.080: the plain step stays
+    assert policy.times[(BatchPolicy.bucket(16), 4)][:2] == [pytest.approx(0.031)] * 2
+    # below margin_rows rows (a step is cheap, and a fast step there sends the others back to be measured) nothing
+    # changes: the chain runs on
+    small = _stale_plain(rows=4)
+    assert set(_steps(small, 4, 40, real)) == {3}
+
+
+def test_the_plain_steps_refresh_waits_longer_the_more_it_is_predicted_to_lose_and_carries_over():
+    """The budget rule: a plain step predicted to lose little is timed again after ``explore_every`` steps, one
+    predicted to lose half its step's time only after enough steps that 1% of their time covers that loss (the chain
+    of 2 predicted 2x the plain step: 2 x 45 ms x 0.5 over 1% of 45 ms steps, 100 steps). What the bucket has run
+    since the plain step's last step carries over to the owner's next call, like the tree's revisits."""
+    owner, clock = SimpleNamespace(), FakeClock()
+    policy = _stale_plain(memory=(owner, "key"), clock=clock)
+    policy.times[(BatchPolicy.bucket(16), 3)] = [0.045] * 8  # the chain of 2 as fast as the plain step: 2x
+    real = {0: 1.0, 1: 0.5, 2: 0.5, 3: 0.045, 4: 0.031}
+    assert set(_steps(policy, 16, 40, real)) == {3}
+    policy.finish()
+    again = BatchPolicy(policy.shapes, clock=clock, memory=(owner, "key"))
+    picks = _steps(again, 16, 80, real)
+    assert 4 in picks and 98 <= picks.index(4) + 40 <= 102  # in the next call, 100 steps after the first call's start
+    assert picks[picks.index(4):picks.index(4) + 2] == [4, 4]
+
+
 def test_a_large_batch_measures_a_narrower_chain_before_a_wider_hopeful_one_whose_floor_it_would_raise():
     """When the chain of 4 is not hopeful on the chain of 2's time alone but the chain of 8 is (more tokens over the
     same floor), the chain of 4 is measured first: with two chains timed, the chain of 8's floor grows by their time

@@ -140,10 +140,13 @@ class BatchPolicy:
         # revisits of a losing configured tree: steps since its last visit, the gap to the next one (doubles while
         # it keeps losing) and the exploration budget in seconds (see choose); carried over like the measurements
         self.since_tree, self.gap, self.budget = known["revisits"] if known else (0, explore_every, 0.0)
+        # per bucket: [steps, seconds] run there since the plain step's last step there (see _refresh); carried over
+        self.plain_since = {k: list(v) for k, v in known.get("plain_since", {}).items()} if known else {}
         self.used = [0] * n
         self.row_steps = [0] * n  # active rows of the steps of each shape (the fraction of rows that speculated)
         self._pending = None  # (shape index, bucket, start time) of the step being measured
         self._charge = None  # the step being measured is a revisit paid from the budget: its estimated time
+        self._fresh = False  # the step being measured is the plain step back after a while: it restarts its window
         self._drafted = False  # whether a step of this call ran the drafter (see close)
         self._lagged = False  # the step's drafter had skipped committed tokens (see lagged)
         self._in_step = False  # whether the last step ran the drafter (else a drafting step is a switch: see switch)
@@ -324,6 +327,10 @@ class BatchPolicy:
                 if revisit:
                     self.gap = min(2 * self.gap, tuning.max_gap)
             pick = 0 if revisit else best
+            if not revisit and self._refresh(b, rows, times, rate, pick, inherited):
+                pick = self.plain
+        # the plain step back in a bucket after explore_every steps away: its new steps replace its old window
+        self._fresh = pick == self.plain and self.plain_since.get(b, (0, 0.0))[0] >= self.explore_every
         self._charge = charge
         self.since_tree = 0 if pick == 0 else self.since_tree + 1
         self.used[pick] += 1
@@ -331,6 +338,25 @@ class BatchPolicy:
         self._pending = (pick, b, self.clock())
         self._done = False
         return pick
+
+    def _refresh(self, b: int, rows: int, times: dict, rate: dict, best: int, inherited: bool) -> bool:
+        """Whether to time the plain step again in bucket ``b`` instead of ``best``, a shape that speculates. From
+        ``margin_rows`` rows nothing else refreshes the plain step's window while another shape is taken, and a window
+        timed while another process ran kept a speculating shape on for whole calls (the 8.4M base model at 16 rows:
+        the window said 40-45 ms where the plain step took 31 ms, and a chain of 2, 8% slower per token than the plain
+        step there, ran three calls in a row). So after ``explore_every`` steps in the bucket since its last step
+        there, the plain step runs again once ``explore_share`` of those steps' time covers the predicted loss of
+        ``min_samples`` plain steps (rarely where it is predicted to lose much, at once in a close race), and its new
+        steps replace its window. Not in a bucket a shrinking batch passes through (nothing is measured there)."""
+        plain, tuning = self.plain, self.tuning
+        if (plain is None or plain not in rate or best == plain or rows < tuning.margin_rows or inherited
+                or not self.steps.trusted(b, plain)):
+            return False
+        steps, seconds = self.plain_since.get(b, (0, 0.0))
+        if steps < self.explore_every:
+            return False
+        loss = tuning.min_samples * times[plain] * max(0.0, 1.0 - rate[plain] / rate[best])
+        return tuning.explore_share * seconds >= loss
 
     def _young(self, b: int, rows: int, allowed: list[int], inherited: bool, rate: dict) -> int | None:
         """The shape to measure next in bucket ``b``, or ``None`` when every shape worth measuring is measured.
@@ -515,7 +541,12 @@ class BatchPolicy:
         setup = ("first" if not self._drafted else "lag" if self._lagged else False) if drafts else False
         self._drafted = self._drafted or drafts
         self._in_step = drafts
-        self.steps.record(b, pick, seconds, setup=setup, bursts=pick == 0)
+        self.steps.record(b, pick, seconds, setup=setup, bursts=pick == 0, fresh=self._fresh)
+        if pick == self.plain:
+            self.plain_since[b] = [0, 0.0]
+        else:
+            since = self.plain_since.setdefault(b, [0, 0.0])
+            since[0], since[1] = since[0] + 1, since[1] + seconds
         if pick != 0:  # the exploration budget grows with the time spent away from the configured tree
             self.budget += self.tuning.explore_share * seconds
         elif self._charge is not None:
@@ -538,7 +569,8 @@ class BatchPolicy:
                 "tokens": list(self.tokens), "own": [list(o) for o in self.own], **self.steps.state(),
                 "squares": list(self.squares), "paired_rows": self.paired_rows,
                 "beyond": {k: list(v) for k, v in self.beyond.items()},
-                "revisits": (self.since_tree, self.gap, self.budget)}
+                "revisits": (self.since_tree, self.gap, self.budget),
+                "plain_since": {k: list(v) for k, v in self.plain_since.items()}}
 
     @property
     def stats(self) -> dict:

@@ -75,7 +75,8 @@ class StepTimes:
                 "clean": dict(self.clean), "setup": dict(self.setup), "runs": dict(self.run_counts),
                 "switches": {k: list(v) for k, v in self.switches.items()}}
 
-    def record(self, bucket: int, shape: int, seconds: float, setup: bool | str = False, bursts: bool = False) -> None:
+    def record(self, bucket: int, shape: int, seconds: float, setup: bool | str = False, bursts: bool = False,
+               fresh: bool = False) -> None:
         """A step of ``shape`` in ``bucket`` took ``seconds``. ``setup``: a step whose drafter forward also did work a
         switch to drafting pays once, ``"first"`` (the call's first drafting step read the whole prompt; ``True``
         means it too) or ``"lag"`` (a drafting step after plain steps caught up on their tokens). It never joins the
@@ -87,7 +88,9 @@ class StepTimes:
         window is stale. ``bursts``: a shape that runs in short bursts, each a switch (the configured tree from
         ``margin_rows`` rows, which runs there only on revisits): its setup steps also join a window not yet trusted,
         where what a switch costs is part of every run it has (kept apart, the tree at 16 and 32 rows was never
-        trusted, floored nothing at 64, and was measured there: two steps at ten plain steps' cost each)."""
+        trusted, floored nothing at 64, and was measured there: two steps at ten plain steps' cost each). ``fresh``:
+        the window is old (the plain step back after a while: :meth:`~.rule.BatchPolicy._refresh`); this step
+        restarts it."""
         key = (bucket, shape)
         self.run_counts[key] = self.run_counts.get(key, 0) + 1
         window = self.times.get(key)
@@ -116,6 +119,8 @@ class StepTimes:
                 # tree on every step, 20% slower than the chain of 2)
                 for other in [k for k in self.times if k[0] == bucket and k[1] != shape]:
                     del self.times[other]
+            t.clear()
+        elif fresh:  # the window is old: this step restarts it
             t.clear()
         t.append(seconds)
         self.best_seen[key] = min(self.best_seen.get(key, seconds), seconds)
