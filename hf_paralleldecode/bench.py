@@ -41,6 +41,7 @@ from pathlib import Path
 
 import torch
 
+from .decoding.policy.memory import memory_scope
 from .integration import STOCK
 
 logger = logging.getLogger(__name__)
@@ -426,9 +427,12 @@ def run_benchmark(
     resolved = {lab: {} for lab in labels}
     drafts = {lab: None for lab in labels}  # learned drafters: accepted lengths and drafter cost of the last repeat
     try:
+        # each entry learns only from its own calls (memory_scope): entries that share a drafter and a policy key
+        # (`speculative` and `speculative:max_step_tokens=1`) would otherwise keep each other's step times fresh
         for enc in encoded:  # warm-up, untimed
-            for spec in entries:
-                _one_run(model, enc, spec, min(max_new_tokens, 8), timer, sampling)
+            for lab, spec in zip(labels, entries):
+                with memory_scope(lab):
+                    _one_run(model, enc, spec, min(max_new_tokens, 8), timer, sampling)
         bar = tqdm(total=repeats * len(encoded) * len(entries), disable=not progress, desc="bench")
         for _ in range(repeats):
             drafts = {lab: None for lab in labels}
@@ -441,7 +445,8 @@ def run_benchmark(
                 for lab, spec in zip(labels, entries):
                     if sampling is not None:
                         torch.manual_seed(b)
-                    res = _one_run(model, enc, spec, max_new_tokens, timer, sampling)
+                    with memory_scope(lab):
+                        res = _one_run(model, enc, spec, max_new_tokens, timer, sampling)
                     a = acc[lab]
                     rows = res["generated"].shape[0]
                     for key in ("seconds", "decode_seconds", "tokens", "forwards", "forward_seconds"):

@@ -6,10 +6,9 @@ keeps every round and the median over rounds. The regret is against the best of 
 interleaves too, but its median over two repeats is their mean, and one burst of another process on this shared
 machine moves a whole column; here one round's burst is outvoted.
 
-Each entry learns from its own calls only: the policy's memory (what a drafter or model keeps for its next calls,
-``hf_paralleldecode.decoding.policy.memory``) is swapped per entry around each call. The plain-steps entry
-(``max_step_tokens=1``) has the default's memory key, so shared, its plain steps would keep the default's plain-step
-window fresh, which a server running the default alone does not have.
+Each entry learns from its own calls only, in its own ``memory_scope`` (``hf_paralleldecode.decoding.policy.memory``,
+as bench does): the plain-steps entry (``max_step_tokens=1``) has the default's memory key, so shared, its plain steps
+would keep the default's plain-step window fresh, which a process running the default alone does not have.
 
 The first rounds hold the policy's exploration (it starts from nothing in the process, as a server's first calls
 do); the report keeps them, and also gives the medians of the rounds after the first.
@@ -51,29 +50,9 @@ def main(argv=None) -> int:
     if args.batch_size < 1 or args.rounds < 1 or args.num_prompts < args.batch_size:
         raise SystemExit("--batch-size and --rounds must be >= 1 and --num-prompts at least the batch size.")
     from hf_paralleldecode.cli import _load
-    from hf_paralleldecode.decoding.policy import rule
+    from hf_paralleldecode.decoding.policy import memory_scope
     from hf_paralleldecode.integration import enable
     from hf_paralleldecode.prompts import read_prompts
-
-    owners = []  # every object a policy kept a memory on (the model, its drafter)
-    kept = {}  # per entry, per owner: the policy's and the node budget's entries (the clock stays the owner's)
-    entry = [None]  # the entry being run
-    remember = rule.memory_of
-
-    def tracked(owner):
-        memory = remember(owner)
-        if all(o is not owner for o in owners):  # first seen in this entry's call: what it holds is this entry's
-            owners.append(owner)
-            kept[(entry[0], id(owner))] = (memory.policy, memory.acceptance)
-        return memory
-
-    rule.memory_of = tracked
-
-    def isolated(name):
-        entry[0] = name
-        for owner in owners:
-            memory = remember(owner)
-            memory.policy, memory.acceptance = kept.setdefault((name, id(owner)), ({}, {}))
 
     model, tok, _ = _load(args)  # (--threads applied there; twins built as bench builds them)
     enable(model)
@@ -93,8 +72,8 @@ def main(argv=None) -> int:
     fixed = [n for n in entries if n not in ("stock", "default")]
     for enc in batches:  # warm-up, untimed, short (as bench's)
         for name, settings in entries.items():
-            isolated(name)
-            model.generate(**enc, max_new_tokens=min(8, args.max_new_tokens), **common, **settings)
+            with memory_scope(name):
+                model.generate(**enc, max_new_tokens=min(8, args.max_new_tokens), **common, **settings)
     seconds = {name: [] for name in entries}
     names = list(entries)
     for r in range(args.rounds):
@@ -102,10 +81,10 @@ def main(argv=None) -> int:
         for j, enc in enumerate(batches):
             k = (r + j) % len(names)
             for name in names[k:] + names[:k]:
-                isolated(name)
                 gc.collect()  # (untimed: each run pays for its own garbage only)
                 t0 = time.perf_counter()
-                model.generate(**enc, max_new_tokens=args.max_new_tokens, **common, **entries[name])
+                with memory_scope(name):
+                    model.generate(**enc, max_new_tokens=args.max_new_tokens, **common, **entries[name])
                 total[name] += time.perf_counter() - t0
         for name in names:
             seconds[name].append(total[name])
@@ -124,7 +103,7 @@ def main(argv=None) -> int:
 
     report = {"model": args.model, "dtype": args.dtype, "batch_size": args.batch_size, "prompts": len(texts),
               "rounds": args.rounds, "max_new_tokens": args.max_new_tokens, "threads": args.threads,
-              "torch": torch.__version__, "memory_per_entry": len(owners), "seconds": seconds,
+              "torch": torch.__version__, "memory": "one scope per entry", "seconds": seconds,
               "speed_vs_stock_by_round": {n: speeds(n) for n in names},
               "all_rounds": summary(0), "after_first_round": summary(1)}
     out = Path(args.output)

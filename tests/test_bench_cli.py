@@ -28,6 +28,25 @@ def test_parse_strategy():
         parse_strategy("jacobi:block_sise=4")
 
 
+def test_each_bench_entry_learns_only_from_its_own_calls():
+    """Two entries with one policy key (the default and ``max_step_tokens=1``) each run in their own memory scope:
+    shared, the capped entry's plain steps kept the default's plain-step times fresh, which a process running the
+    default alone does not have. Nothing reaches the model's own memory."""
+    from hf_paralleldecode.decoding.policy import memory_of
+
+    model = tiny_model("llama")
+    specs = [parse_strategy("prompt_lookup"), parse_strategy("prompt_lookup:max_step_tokens=1")]
+    run_benchmark(model, word_tokenizer(), ["t5 t6 t7 t5 t6 t7 t5", "t9 t10 t9 t10 t9"], specs, max_new_tokens=10,
+                  repeats=1, batch_size=2, progress=False)
+    assert not memory_of(model).policy
+    scopes = vars(model)["_hfpd_policy_scopes"]
+    default, capped = (scopes[s.label].policy for s in specs)
+    assert default.keys() == capped.keys() and len(default) == 1  # one key: they would have shared it
+    (own,), (plain,) = default.values(), capped.values()
+    assert 0 in {i for _, i in own["times"]}  # the default ran its configured tree
+    assert len({i for _, i in plain["times"]}) == 1 and 0 not in {i for _, i in plain["times"]}  # plain steps only
+
+
 @pytest.mark.parametrize("batch_size", [1, 2])
 def test_benchmark_reports_every_figure_and_writes_json_and_png(tmp_path, batch_size):
     model = tiny_model("llama")

@@ -23,6 +23,7 @@ from hf_paralleldecode.decoding.policy import (
     batch_policy,
     forward_cost,
     memory_of,
+    memory_scope,
     shapes_from,
 )
 from hf_paralleldecode.engine.tree import chain_tree
@@ -71,6 +72,34 @@ def test_the_memory_is_kept_on_the_model_and_its_next_call_starts_from_it():
     stored = next(iter(memory.policy.values()))
     again = _starting_times(lambda: _generate(model))
     assert again == [stored["times"]] and again[0]  # the model's next call starts from its last one's times
+
+
+def test_a_memory_scope_keeps_what_calls_learn_apart():
+    """Inside ``memory_scope(name)`` a call learns from, and leaves what it learns to, the owner's memory of that scope
+    only (same clock and token): how a benchmark runs several settings of one model or drafter in one process, each
+    as if alone."""
+    model = _fresh_model()
+    with memory_scope("a"):
+        _generate(model)
+        scoped = memory_of(model)
+    main = memory_of(model)
+    assert scoped is not main and scoped.policy and not main.policy  # nothing reached the model's own memory
+    assert scoped.token == main.token and scoped.clock is main.clock
+    stored = next(iter(scoped.policy.values()))["times"]
+    with memory_scope("a"):
+        assert memory_of(model) is scoped
+        again = _starting_times(lambda: _generate(model))
+    assert again == [stored] and again[0]  # the scope's next call starts from its last one's times
+    with memory_scope("b"):
+        assert _starting_times(lambda: _generate(model)) == [{}]  # another scope starts afresh
+        b = memory_of(model)
+        with memory_scope("c"):  # an inner scope holds until it ends
+            assert memory_of(model) is not b
+        assert memory_of(model) is b
+    assert memory_of(model) is main and not main.policy
+    for bad in ("", None, 3):
+        with pytest.raises(ValueError, match="memory_scope takes a non-empty name"), memory_scope(bad):
+            pass
 
 
 def test_two_models_do_not_share_a_memory():

@@ -14,7 +14,7 @@ Modules, bottom up (none imports a strategy or the engine's loop):
 """
 
 from .budget import MEASURED_TOKENS, AcceptanceModel, CostAwareBudget, ForwardCost, forward_cost
-from .memory import PolicyMemory, acceptance_rule, memory_of, target_key
+from .memory import PolicyMemory, acceptance_rule, memory_of, memory_scope, target_key
 from .rule import BatchPolicy, batch_policy, check_policy_settings
 from .shapes import CHAIN_DEPTHS, PLAIN, Shape, first_child_prefix, path_prefix, shapes_from
 from .tail import expected_max, tail_factor
@@ -23,5 +23,5 @@ from .tuning import PolicyTuning
 
 __all__ = ["Shape", "BatchPolicy", "shapes_from", "first_child_prefix", "path_prefix", "PLAIN", "CHAIN_DEPTHS",
            "target_key", "acceptance_rule", "batch_policy", "check_policy_settings", "PolicyTuning", "PolicyMemory",
-           "memory_of", "Clock", "StepTimes", "expected_max", "tail_factor", "CostAwareBudget", "ForwardCost",
+           "memory_of", "memory_scope", "Clock", "StepTimes", "expected_max", "tail_factor", "CostAwareBudget", "ForwardCost",
            "AcceptanceModel", "forward_cost", "MEASURED_TOKENS"]

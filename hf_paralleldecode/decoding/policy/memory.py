@@ -13,18 +13,29 @@ Inside a memory, entries are keyed by what must match for them to carry over: th
 and acceptance rule (:func:`acceptance_rule`); a call with another key starts afresh. A copy of the owner (pickle,
 ``copy.deepcopy``, a drafter's ``copy_to``) starts with an empty memory of its own.
 
+Scopes
+    Inside ``with memory_scope(name):`` every owner's memory is another one, kept per ``name`` (same clock and
+    token): calls learn only from calls in the same scope. A benchmark runs each setting of one drafter in its own
+    scope, so ``max_step_tokens=1`` (the same key as the default's) does not refresh the default's step times, and
+    each entry measures what a process running that setting alone would see.
+
 What it deliberately does not know
     What the entries mean: :class:`~.rule.BatchPolicy` and :class:`~.budget.CostAwareBudget` write and read them.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import time
 import uuid
+from collections.abc import Iterator
 
 from .times import Clock
 
-__all__ = ["PolicyMemory", "memory_of", "target_key", "acceptance_rule"]
+__all__ = ["PolicyMemory", "memory_of", "memory_scope", "target_key", "acceptance_rule"]
+
+_SCOPE: contextvars.ContextVar[str | None] = contextvars.ContextVar("hfpd_policy_memory_scope", default=None)
 
 
 class PolicyMemory:
@@ -65,12 +76,38 @@ class PolicyMemory:
 
 def memory_of(owner) -> PolicyMemory:
     """``owner``'s :class:`PolicyMemory` (a model, a drafter: any object with a ``__dict__``), made and set on it on
-    first use."""
+    first use; inside :func:`memory_scope`, the owner's memory of that scope (made on first use with the owner's
+    clock and token)."""
     memory = vars(owner).get("_hfpd_policy_memory")
     if memory is None:
         memory = PolicyMemory()
         owner._hfpd_policy_memory = memory
-    return memory
+    scope = _SCOPE.get()
+    if scope is None:
+        return memory
+    scopes = vars(owner).get("_hfpd_policy_scopes")
+    if scopes is None:
+        scopes = {}
+        owner._hfpd_policy_scopes = scopes
+    scoped = scopes.get(scope)
+    if scoped is None:
+        scoped = scopes[scope] = PolicyMemory(clock=memory.clock)
+        scoped.token = memory.token  # (the same owner in other owners' keys)
+    return scoped
+
+
+@contextlib.contextmanager
+def memory_scope(name: str) -> Iterator[None]:
+    """Calls inside learn from, and leave what they learn to, every owner's memory of scope ``name`` only (module
+    docstring): ``with memory_scope("max_step_tokens=1"): model.generate(...)``. Scopes do not nest: the inner one
+    holds until it ends."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"memory_scope takes a non-empty name (a str), got {name!r}.")
+    token = _SCOPE.set(name)
+    try:
+        yield
+    finally:
+        _SCOPE.reset(token)
 
 
 def target_key(model) -> str:

@@ -52,6 +52,11 @@ The rule
       times measured while another process ran do not lock a shape out. The gap, the budget and the steps since the
       last visit carry over to the next call, like the measurements: a server's short requests do not each pay for a
       revisit.
+    * The plain step's refresh. From ``margin_rows`` rows nothing else re-times the plain step while another shape
+      is taken: after ``explore_every`` steps in a bucket since its last step there, it runs again once
+      ``explore_share`` of those steps' time covers the predicted loss of ``min_samples`` plain steps, and those
+      steps restart its window (:meth:`BatchPolicy._refresh`), as does any return of the plain step after as many
+      steps away. A window timed during another process's burst no longer keeps a speculating shape on for good.
     * The tail. A shape's rate is scaled by :meth:`BatchPolicy.tail_factor` (:mod:`.tail`), predicted from the
       spread of its tokens per row-step (paired, like the tokens), the rows' remaining new tokens and the shape's
       step times at fewer rows.
@@ -329,8 +334,10 @@ class BatchPolicy:
             pick = 0 if revisit else best
             if not revisit and self._refresh(b, rows, times, rate, pick, inherited):
                 pick = self.plain
-        # the plain step back in a bucket after explore_every steps away: its new steps replace its old window
-        self._fresh = pick == self.plain and self.plain_since.get(b, (0, 0.0))[0] >= self.explore_every
+        # from margin_rows rows, the plain step back in a bucket after explore_every steps away: its new steps
+        # replace its old window
+        self._fresh = (pick == self.plain and rows >= tuning.margin_rows
+                       and self.plain_since.get(b, (0, 0.0))[0] >= self.explore_every)
         self._charge = charge
         self.since_tree = 0 if pick == 0 else self.since_tree + 1
         self.used[pick] += 1
