@@ -39,7 +39,7 @@ def test_each_bench_entry_learns_only_from_its_own_calls():
     run_benchmark(model, word_tokenizer(), ["t5 t6 t7 t5 t6 t7 t5", "t9 t10 t9 t10 t9"], specs, max_new_tokens=10,
                   repeats=1, batch_size=2, progress=False)
     assert not memory_of(model).policy
-    scopes = vars(model)["_hfpd_policy_scopes"]
+    scopes = memory_of(model).scopes
     default, capped = (scopes[s.label].policy for s in specs)
     assert default.keys() == capped.keys() and len(default) == 1  # one key: they would have shared it
     (own,), (plain,) = default.values(), capped.values()

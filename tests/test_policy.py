@@ -1065,6 +1065,7 @@ def test_the_deferral_counts_a_calls_own_steps_not_the_buckets():
     picks, _ = call(4, seconds)  # the chain of 2 (3 tokens in 0.7 s against 1 in 0.5 s) is measured: used at once
     assert picks[0] == 3
 
+
 def _stale_plain(rows=16, memory=None, clock=None):
     """A policy at ``rows`` rows whose plain step's window was timed slow (45 ms, a burst of another process: it runs
     in 31 ms) while the chain of 2 took 80 ms: the chain is predicted 12% faster than the plain step and taken."""
@@ -1100,7 +1101,13 @@ def test_a_large_batch_times_the_plain_step_again_when_its_window_is_old_and_the
     first = picks.index(4)
     assert 16 <= first <= 20 and picks[first:first + 2] == [4, 4]  # then the plain step, twice (its new window)
     assert set(picks[first:]) == {4}  # 1/0.031 beats 2/0.080: the plain step stays
-    assert policy.times[(BatchPolicy.bucket(16), 4)][:2] == [pytest.approx(0.031)] * 2
+    assert all(t == pytest.approx(0.031) for t in policy.times[(BatchPolicy.bucket(16), 4)])  # the old one replaced
+    # a renewal cut short (the batch shrank into another bucket after its first step) keeps the old window, trusted
+    cut = _stale_plain(clock=FakeClock())
+    picks = _steps(cut, 16, 17, real)
+    assert picks[-1] == 4 and cut._renewing is not None
+    _steps(cut, 7, 1, real)
+    assert cut.times[(BatchPolicy.bucket(16), 4)] == [0.045] * 8 and cut._renewing is None
     # below margin_rows rows (a step is cheap, and a fast step there sends the others back to be measured) nothing
     # changes: the chain runs on
     small = _stale_plain(rows=4)
@@ -1120,8 +1127,10 @@ def test_the_plain_steps_refresh_waits_longer_the_more_it_is_predicted_to_lose_a
     policy.finish()
     again = BatchPolicy(policy.shapes, clock=clock, memory=(owner, "key"))
     picks = _steps(again, 16, 80, real)
-    assert 4 in picks and 98 <= picks.index(4) + 40 <= 102  # in the next call, 100 steps after the first call's start
-    assert picks[picks.index(4):picks.index(4) + 2] == [4, 4]
+    first = picks.index(4)
+    assert 98 <= first + 40 <= 102  # in the next call, 100 steps after the first call's start
+    assert picks[first:first + 3] == [4, 4, 3]  # two plain steps (31 ms: the chain of 2 still wins), then the chain
+    assert 4 not in picks[first + 3:]  # the count starts again: the next refresh is dozens of steps away
 
 
 def test_a_large_batch_measures_a_narrower_chain_before_a_wider_hopeful_one_whose_floor_it_would_raise():

@@ -84,7 +84,11 @@ def test_a_memory_scope_keeps_what_calls_learn_apart():
         scoped = memory_of(model)
     main = memory_of(model)
     assert scoped is not main and scoped.policy and not main.policy  # nothing reached the model's own memory
-    assert scoped.token == main.token and scoped.clock is main.clock
+    assert scoped.token == main.token and scoped.clock is main.clock and scoped.forward_costs is main.forward_costs
+    clock = FakeClock()
+    main.clock = clock  # the owner's clock, set after the scope was made, is the scope's too
+    assert scoped.clock is clock
+    main.clock = time.perf_counter
     stored = next(iter(scoped.policy.values()))["times"]
     with memory_scope("a"):
         assert memory_of(model) is scoped
@@ -97,6 +101,10 @@ def test_a_memory_scope_keeps_what_calls_learn_apart():
             assert memory_of(model) is not b
         assert memory_of(model) is b
     assert memory_of(model) is main and not main.policy
+    copied = copy.deepcopy(model)  # a copy starts afresh, scopes included
+    assert not memory_of(copied).scopes and memory_of(copied).token != main.token
+    main.forget()
+    assert not main.scopes
     for bad in ("", None, 3):
         with pytest.raises(ValueError, match="memory_scope takes a non-empty name"), memory_scope(bad):
             pass

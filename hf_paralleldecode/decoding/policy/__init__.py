@@ -23,5 +23,5 @@ from .tuning import PolicyTuning
 
 __all__ = ["Shape", "BatchPolicy", "shapes_from", "first_child_prefix", "path_prefix", "PLAIN", "CHAIN_DEPTHS",
            "target_key", "acceptance_rule", "batch_policy", "check_policy_settings", "PolicyTuning", "PolicyMemory",
-           "memory_of", "memory_scope", "Clock", "StepTimes", "expected_max", "tail_factor", "CostAwareBudget", "ForwardCost",
-           "AcceptanceModel", "forward_cost", "MEASURED_TOKENS"]
+           "memory_of", "memory_scope", "Clock", "StepTimes", "expected_max", "tail_factor", "CostAwareBudget",
+           "ForwardCost", "AcceptanceModel", "forward_cost", "MEASURED_TOKENS"]

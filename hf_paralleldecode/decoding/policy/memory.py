@@ -14,10 +14,13 @@ and acceptance rule (:func:`acceptance_rule`); a call with another key starts af
 ``copy.deepcopy``, a drafter's ``copy_to``) starts with an empty memory of its own.
 
 Scopes
-    Inside ``with memory_scope(name):`` every owner's memory is another one, kept per ``name`` (same clock and
-    token): calls learn only from calls in the same scope. A benchmark runs each setting of one drafter in its own
+    Inside ``with memory_scope(name):`` every owner's memory is another one, kept per ``name`` in the owner's
+    memory (:meth:`PolicyMemory.scope`; its clock, token and forward-cost points are the owner's, which are facts of
+    the device, not learned choices): calls learn only from calls in the same scope. A benchmark runs each setting of one drafter in its own
     scope, so ``max_step_tokens=1`` (the same key as the default's) does not refresh the default's step times, and
-    each entry measures what a process running that setting alone would see.
+    each entry measures what a process running that setting alone would see. The scope is a context variable: a
+    ``generate`` started in another thread inside the ``with`` does not see it (start the thread's work in its own
+    ``with``).
 
 What it deliberately does not know
     What the entries mean: :class:`~.rule.BatchPolicy` and :class:`~.budget.CostAwareBudget` write and read them.
@@ -50,6 +53,7 @@ class PolicyMemory:
         acceptance: per name, the acceptance counts of the owner's last :class:`~.budget.CostAwareBudget`.
         forward_costs: a model's measured forward-cost points, per probe (device, dtype, sizes).
         token: names the owner in other owners' keys (:func:`target_key`).
+        scopes: per :func:`memory_scope` name, the owner's memory in that scope (:meth:`scope`).
     """
 
     def __init__(self, clock: Clock | None = None):
@@ -58,12 +62,22 @@ class PolicyMemory:
         self.acceptance: dict = {}
         self.forward_costs: dict = {}
         self.token = uuid.uuid4().hex
+        self.scopes: dict[str, PolicyMemory] = {}
+
+    def scope(self, name: str) -> PolicyMemory:
+        """The memory of scope ``name`` (made on first use): its own ``policy`` and ``acceptance``; ``clock``,
+        ``token`` and ``forward_costs`` read and write this one's."""
+        scoped = self.scopes.get(name)
+        if scoped is None:
+            scoped = self.scopes[name] = _ScopedMemory(self)
+        return scoped
 
     def forget(self) -> None:
-        """Drop everything learned (the clock stays)."""
+        """Drop everything learned, every scope's included (the clock stays)."""
         self.policy.clear()
         self.acceptance.clear()
         self.forward_costs.clear()
+        self.scopes.clear()
 
     def __reduce__(self):
         # a copy of the owner (pickle, deepcopy, torch.save) is another object: it starts afresh, on the wall clock
@@ -74,26 +88,37 @@ class PolicyMemory:
                 f"forward costs={len(self.forward_costs)})")
 
 
+class _ScopedMemory(PolicyMemory):
+    """An owner's memory in one :func:`memory_scope`: learned entries of its own, the device facts of ``base``."""
+
+    def __init__(self, base: PolicyMemory):  # (PolicyMemory.__init__ would set the base's clock and token)
+        self.base = base
+        self.policy = {}
+        self.acceptance = {}
+        self.scopes = {}
+
+    clock = property(lambda self: self.base.clock, lambda self, value: setattr(self.base, "clock", value))
+    token = property(lambda self: self.base.token)
+    forward_costs = property(lambda self: self.base.forward_costs)
+
+    def scope(self, name: str) -> PolicyMemory:
+        return self.base.scope(name)
+
+    def forget(self) -> None:
+        """Drop what this scope learned."""
+        self.policy.clear()
+        self.acceptance.clear()
+
+
 def memory_of(owner) -> PolicyMemory:
     """``owner``'s :class:`PolicyMemory` (a model, a drafter: any object with a ``__dict__``), made and set on it on
-    first use; inside :func:`memory_scope`, the owner's memory of that scope (made on first use with the owner's
-    clock and token)."""
+    first use; inside :func:`memory_scope`, its memory of that scope (:meth:`PolicyMemory.scope`)."""
     memory = vars(owner).get("_hfpd_policy_memory")
     if memory is None:
         memory = PolicyMemory()
         owner._hfpd_policy_memory = memory
     scope = _SCOPE.get()
-    if scope is None:
-        return memory
-    scopes = vars(owner).get("_hfpd_policy_scopes")
-    if scopes is None:
-        scopes = {}
-        owner._hfpd_policy_scopes = scopes
-    scoped = scopes.get(scope)
-    if scoped is None:
-        scoped = scopes[scope] = PolicyMemory(clock=memory.clock)
-        scoped.token = memory.token  # (the same owner in other owners' keys)
-    return scoped
+    return memory if scope is None else memory.scope(scope)
 
 
 @contextlib.contextmanager

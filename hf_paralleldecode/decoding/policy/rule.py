@@ -151,7 +151,8 @@ class BatchPolicy:
         self.row_steps = [0] * n  # active rows of the steps of each shape (the fraction of rows that speculated)
         self._pending = None  # (shape index, bucket, start time) of the step being measured
         self._charge = None  # the step being measured is a revisit paid from the budget: its estimated time
-        self._fresh = False  # the step being measured is the plain step back after a while: it restarts its window
+        self._fresh = False  # the step being measured is the plain step back after a while: it renews its window
+        self._renewing = None  # (bucket, plain steps still owed) while the plain step's window is being renewed
         self._drafted = False  # whether a step of this call ran the drafter (see close)
         self._lagged = False  # the step's drafter had skipped committed tokens (see lagged)
         self._in_step = False  # whether the last step ran the drafter (else a drafting step is a switch: see switch)
@@ -281,6 +282,12 @@ class BatchPolicy:
         inherited = steps.inherited(b)
         # each allowed shape's step time and predicted rate, once per step (the measuring phase reads them too); a
         # drafting shape after steps that did not draft also pays the switch, spread over the steps it buys
+        if self._renewing is not None:  # a renewal of the plain step's window goes on while the batch stays here
+            if self._renewing[0] == b and self._renewing[1] > 0 and self.plain in allowed:
+                self._renewing, self._charge = (b, self._renewing[1] - 1), None
+                return self._start(self.plain, rows, b, fresh=True)
+            steps.renewal_dropped(self._renewing[0])  # (the batch shrank into another bucket: the old window stays)
+            self._renewing = None
         times = {i: steps.estimate(b, i, inherited) for i in allowed}
         rate = {i: self.relative_tokens(i) / (t + self.switch(b, i)) * self.tail_factor(b, rows, i, t)
                 for i, t in times.items() if t is not None}
@@ -334,11 +341,19 @@ class BatchPolicy:
             pick = 0 if revisit else best
             if not revisit and self._refresh(b, rows, times, rate, pick, inherited):
                 pick = self.plain
-        # from margin_rows rows, the plain step back in a bucket after explore_every steps away: its new steps
-        # replace its old window
-        self._fresh = (pick == self.plain and rows >= tuning.margin_rows
-                       and self.plain_since.get(b, (0, 0.0))[0] >= self.explore_every)
+        # from margin_rows rows, the plain step back in a bucket after explore_every steps away (a refresh, or its
+        # own choice): its next min_samples steps renew its window (the old one stays until they are all timed)
+        fresh = (pick == self.plain and rows >= tuning.margin_rows and not inherited
+                 and self.plain_since.get(b, (0, 0.0))[0] >= self.explore_every)
+        if fresh:
+            self._renewing = (b, tuning.min_samples - 1)
         self._charge = charge
+        return self._start(pick, rows, b, fresh)
+
+    def _start(self, pick: int, rows: int, b: int, fresh: bool = False) -> int:
+        """Start the step of shape ``pick`` (the bookkeeping of :meth:`choose`); ``fresh``: a step that renews the
+        plain step's window."""
+        self._fresh = fresh
         self.since_tree = 0 if pick == 0 else self.since_tree + 1
         self.used[pick] += 1
         self.row_steps[pick] += int(rows)
@@ -353,8 +368,10 @@ class BatchPolicy:
         the window said 40-45 ms where the plain step took 31 ms, and a chain of 2, 8% slower per token than the plain
         step there, ran three calls in a row). So after ``explore_every`` steps in the bucket since its last step
         there, the plain step runs again once ``explore_share`` of those steps' time covers the predicted loss of
-        ``min_samples`` plain steps (rarely where it is predicted to lose much, at once in a close race), and its new
-        steps replace its window. Not in a bucket a shrinking batch passes through (nothing is measured there)."""
+        ``min_samples`` plain steps and the switch back to drafting (rarely where it is predicted to lose much, at
+        once in a close race), and its new steps replace its window. Not in a bucket a shrinking batch passes through
+        (nothing is measured there); a call's first steps, which measure no new shape (``explore_after``), may refresh
+        it: its step is known, and what it loses there is least."""
         plain, tuning = self.plain, self.tuning
         if (plain is None or plain not in rate or best == plain or rows < tuning.margin_rows or inherited
                 or not self.steps.trusted(b, plain)):
@@ -363,6 +380,8 @@ class BatchPolicy:
         if steps < self.explore_every:
             return False
         loss = tuning.min_samples * times[plain] * max(0.0, 1.0 - rate[plain] / rate[best])
+        if self.shapes[best].drafter:  # the drafter then catches up on the plain steps' tokens
+            loss += self.steps.overhead(b, "lag")
         return tuning.explore_share * seconds >= loss
 
     def _young(self, b: int, rows: int, allowed: list[int], inherited: bool, rate: dict) -> int | None:

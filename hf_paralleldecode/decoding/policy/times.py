@@ -68,6 +68,8 @@ class StepTimes:
         self.switches: dict[tuple[int, int, str], list[float]] = (
             {k: list(v) for k, v in known.get("switches", {}).items()} if known else {})
         self.large = bucket(tuning.margin_rows)  # the first bucket where a shape's own first steps floor it
+        # per bucket: the plain step's new steps while its window is renewed (see record: fresh), not yet in use
+        self.renewal: dict[int, list[float]] = {}
 
     def state(self) -> dict:
         """What a later call starts from (``known``)."""
@@ -89,10 +91,19 @@ class StepTimes:
         ``margin_rows`` rows, which runs there only on revisits): its setup steps also join a window not yet trusted,
         where what a switch costs is part of every run it has (kept apart, the tree at 16 and 32 rows was never
         trusted, floored nothing at 64, and was measured there: two steps at ten plain steps' cost each). ``fresh``:
-        the window is old (the plain step back after a while: :meth:`~.rule.BatchPolicy._refresh`); this step
-        restarts it."""
+        a step of the plain step back after a while (:meth:`~.rule.BatchPolicy._refresh`): its window is old, and
+        ``min_samples`` such steps in a row replace it (until then the old one stays in use: a batch that shrinks
+        into another bucket midway keeps a trusted time here)."""
         key = (bucket, shape)
         self.run_counts[key] = self.run_counts.get(key, 0) + 1
+        if fresh and not setup:
+            new = self.renewal.setdefault(bucket, [])
+            new.append(seconds)
+            self.best_seen[key] = min(self.best_seen.get(key, seconds), seconds)
+            self.clean[key] = min(self.clean.get(key, seconds), seconds)
+            if len(new) >= self.tuning.min_samples:
+                self.times[key] = self.renewal.pop(bucket)
+            return
         window = self.times.get(key)
         faster = bool(window) and seconds * self.tuning.stale < self.seconds(bucket, shape)
         if setup and not faster and not (bursts and bucket >= self.large and not self.trusted(bucket, shape)):
@@ -120,13 +131,16 @@ class StepTimes:
                 for other in [k for k in self.times if k[0] == bucket and k[1] != shape]:
                     del self.times[other]
             t.clear()
-        elif fresh:  # the window is old: this step restarts it
-            t.clear()
         t.append(seconds)
         self.best_seen[key] = min(self.best_seen.get(key, seconds), seconds)
         if not setup:
             self.clean[key] = min(self.clean.get(key, seconds), seconds)
         del t[: -self.tuning.window]
+
+    def renewal_dropped(self, bucket: int) -> None:
+        """A renewal of the plain step's window in ``bucket`` ended before ``min_samples`` steps: its old window
+        stays."""
+        self.renewal.pop(bucket, None)
 
     def overhead(self, bucket: int, kind: str) -> float:
         """What a switch of ``kind`` (:meth:`record`) adds to a drafting step in ``bucket``: over the shapes with a
