@@ -16,11 +16,11 @@ and acceptance rule (:func:`acceptance_rule`); a call with another key starts af
 Scopes
     Inside ``with memory_scope(name):`` every owner's memory is another one, kept per ``name`` in the owner's
     memory (:meth:`PolicyMemory.scope`; its clock, token and forward-cost points are the owner's, which are facts of
-    the device, not learned choices): calls learn only from calls in the same scope. A benchmark runs each setting of one drafter in its own
-    scope, so ``max_step_tokens=1`` (the same key as the default's) does not refresh the default's step times, and
-    each entry measures what a process running that setting alone would see. The scope is a context variable: a
-    ``generate`` started in another thread inside the ``with`` does not see it (start the thread's work in its own
-    ``with``).
+    the device, not learned choices): calls learn only from calls in the same scope. A benchmark runs each setting
+    of one drafter in its own scope, so ``max_step_tokens=1`` (the same key as the default's) does not refresh the
+    default's step times, and each entry measures what a process running that setting alone would see. The scope
+    is a context variable: a ``generate`` started in another thread inside the ``with`` does not see it (start the
+    thread's work in its own ``with``).
 
 What it deliberately does not know
     What the entries mean: :class:`~.rule.BatchPolicy` and :class:`~.budget.CostAwareBudget` write and read them.
