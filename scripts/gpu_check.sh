@@ -10,7 +10,7 @@
 # then call the device with carry [".whl", ".gpu"] and: bash scripts/gpu_check.sh; afterwards restore the
 # checkpoints here with: git checkout -- hf_paralleldecode/assets
 # Other runs: ONLY="<section> ..." (the names the "===" lines print), NB1 / NB / NB64 (prompts at batch 1 / 16 / 64),
-# REP (repeats), B1_STRATEGIES / BATCH_STRATEGIES, PYTEST_K (tests/test_gpu.py -k).
+# REP (repeats), B1_STRATEGIES / BATCH_STRATEGIES, PYTEST_K (tests/test_gpu.py -k), PROFILE_CONFIGS (MODEL:DTYPE ...).
 # SMOKE=1 runs every section tiny on the CPU (at the 135m shape), to check the script itself.
 set -u
 ASSETS=hf_paralleldecode/assets
@@ -86,6 +86,9 @@ bench() { local name=$1 limit=$2 model=$3 n=$4; shift 4
 # 13-25 ms of host-bound work and the bench runs an untimed warm-up pass per strategy, so a batch-1 item takes ~1.5 s.
 # What the call's limit cuts is the end of the list; its results so far are packed.
 if [ -z "${SMOKE:-}" ]; then sec gpu_tests 50 "python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -rA ${PYTEST_K:+-k $PYTEST_K}"; fi
+# the drafter's forward beside the twins (45-74 ms in bf16 on the H200, 2 ms beside the 8.4M model in fp32): where it goes
+sec gpu_profile 60 "python3 scripts/gpu_profile.py $DEV --max-new-tokens $TOK --output-dir $RES/gpu_profile --configs \
+  ${PROFILE_CONFIGS:-default-trained:float32 default-trained:bfloat16 default-trained-$S1:bfloat16 default-trained-$S1:float32}"
 for m in default-trained default; do
   bench "b1_$m-$S1" 80 "$m-$S1" $NB1 --batch-sizes 1 --strategies ${B1_STRATEGIES:-speculative $TREE $C4 transformers_prompt_lookup}
 done
@@ -94,9 +97,11 @@ done
 for m in default-trained default; do
   bench "b16_$m-$S1" 55 "$m-$S1" $NB --batch-sizes 16 --strategies ${BATCH_STRATEGIES:-speculative $TREE $C4}
 done
-bench "sample_t0.8_default-trained-$S1" 45 "default-trained-$S1" $NB1 --batch-sizes 1 --do-sample --temperature 0.8 \
-  --strategies speculative transformers_prompt_lookup
-bench "b64_default-trained-$S1" 75 "default-trained-$S1" $NB64 --batch-sizes 64 --strategies ${BATCH_STRATEGIES:-speculative $C4}
+for m in default-trained default; do
+  bench "sample_t0.8_$m-$S1" 45 "$m-$S1" $NB1 --batch-sizes 1 --do-sample --temperature 0.8 \
+    --strategies speculative transformers_prompt_lookup
+  bench "b64_$m-$S1" 75 "$m-$S1" $NB64 --batch-sizes 64 --strategies ${BATCH_STRATEGIES:-speculative $C4}
+done
 sec twin_check 35 "python3 scripts/twin_check.py --shapes $S1 --dtypes float32 bfloat16 $DEV --num-prompts 16 \
   --max-new-tokens $TOK --output $RES/twin_check.json"
 sec roofline 90 "for m in default default-$S1 default-$S2; do python3 scripts/gpu_roofline.py --model \$m --dtype bfloat16 \

@@ -74,6 +74,8 @@ BENCH_COLUMNS = {
     "exact": ("identical to stock", lambda res, r: r.get("exact_match_vs_ar"), "%"),
     "spec_rows": ("speculating rows", lambda res, r: r.get("speculated_row_share"), "%"),
     "tail": ("tail", lambda res, r: r.get("tail_time_share"), "%"),
+    "host_ms": ("host ms a step (outside the target's forwards)", lambda res, r: r.get("host_ms_per_step"), ".1f"),
+    "drafter_ms": ("drafter ms a forward", lambda res, r: r.get("drafter_ms_per_forward"), ".1f"),
 }
 
 
