@@ -97,22 +97,23 @@ def _load(args):
 
     dtype = getattr(torch, args.dtype)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    from .hardware import cpu_has_fast_matmul
+    import warnings
 
-    if torch.device(device).type == "cpu" and not cpu_has_fast_matmul(dtype) and not getattr(args, "_warned", False):
+    from .hardware import SlowMatmulWarning, slow_matmul_message
+
+    slow = slow_matmul_message(dtype, f"--dtype {args.dtype}") if torch.device(device).type == "cpu" else None
+    if slow and not getattr(args, "_warned", False):
         args._warned = True  # once per command (demo loads two models)
-        needs = "AVX-512" if dtype == torch.bfloat16 else "AVX-512-FP16 or AMX"
-        print(f"warning: --dtype {args.dtype} on this CPU: its oneDNN has no {args.dtype} matrix kernel (it needs "
-              f"{needs}), so torch multiplies such matrices on a fallback whose cost grows with every token fed, "
-              f"many times float32's. Speed figures measure that fallback, not the model; use --dtype float32 here, "
-              f"or a CPU with {needs}.", file=sys.stderr)
+        print("warning: " + slow.replace("use float32", "use --dtype float32"), file=sys.stderr)
     if args.model.startswith("random-"):
         tokenizer = load_tokenizer(default_model_path())
         model = random_model(args.model, vocab_size=len(tokenizer))
         name = args.model
     elif (twin := twin_of(args.model)) is not None:  # a cost twin of an embedded model, built on first use
         source, shape = twin
-        model = embedded_twin(source, shape, dtype=dtype, device=device)
+        with warnings.catch_warnings():  # (said above, once per command)
+            warnings.simplefilter("ignore", SlowMatmulWarning)
+            model = embedded_twin(source, shape, dtype=dtype, device=device)
         tokenizer = load_tokenizer(default_model_path(source))
         name = f"{EMBEDDED_MODELS[source]} (embedded), {shape} cost twin"
     else:

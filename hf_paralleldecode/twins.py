@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 
 import torch
 
@@ -191,6 +192,12 @@ def cost_twin(model, shape="1b", *, dtype: torch.dtype | None = None, device=Non
     source = model
     dtype = dtype or next(source.parameters()).dtype
     device = torch.device(device) if device is not None else next(source.parameters()).device
+    if device.type == "cpu":
+        from . import hardware
+
+        slow = hardware.slow_matmul_message(dtype, f"A {shape.like} cost twin in {str(dtype).replace('torch.', '')}")
+        if slow:
+            warnings.warn(slow, hardware.SlowMatmulWarning, stacklevel=2)
     with torch.device("meta"):
         twin = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=src._attn_implementation)
     twin.to_empty(device=device)

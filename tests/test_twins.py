@@ -53,6 +53,7 @@ def test_twin_greedy_and_strategies(arch):
         assert torch.equal(twin.generate(**kwargs, decoding=decoding, **settings), stock), decoding
 
 
+@pytest.mark.filterwarnings("ignore::hf_paralleldecode.hardware.SlowMatmulWarning")  # (a bf16 copy, not timed)
 def test_twin_keeps_the_token_drafter_and_config():
     """The embedded model's twin carries its decoding config and DEER drafter (a copy where the dtype differs: the
     source's drafter is never moved), and its default decoding equals its stock greedy."""
@@ -69,6 +70,29 @@ def test_twin_keeps_the_token_drafter_and_config():
     stock = twin.generate(**enc, max_new_tokens=24, decoding="stock", do_sample=False)
     assert torch.equal(stock, ref)
     assert torch.equal(twin.generate(**enc, max_new_tokens=24, do_sample=False), stock)
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_a_half_precision_twin_on_a_cpu_without_a_fast_kernel_for_it_is_warned_of(monkeypatch, fast):
+    """From Python as from the command line: on a CPU whose oneDNN has no bf16 matrix kernel a twin's forward costs
+    a fallback's time, not a model's of its shape, so ``cost_twin`` warns, naming the fix (once, with a category
+    callers can filter); float32, a fast kernel or another device: no warning."""
+    import warnings
+
+    from hf_paralleldecode import hardware
+
+    monkeypatch.setattr(hardware, "cpu_has_fast_matmul", lambda dtype: fast or dtype == torch.float32)
+    model = tiny_model("llama")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cost_twin(model, _shape("llama"), dtype=torch.bfloat16)
+        cost_twin(model, _shape("llama"))  # the source's float32
+    slow = [w for w in caught if issubclass(w.category, hardware.SlowMatmulWarning)]
+    if fast:
+        assert not slow
+    else:
+        assert len(slow) == 1 and "bfloat16" in str(slow[0].message) and "float32" in str(slow[0].message)
+        assert slow[0].filename == __file__  # attributed to the caller's line
 
 
 def test_twin_refuses_hidden_state_drafters():
