@@ -177,9 +177,10 @@ def _prompts(args, default_count):
 def _bench(args) -> int:
     from pathlib import Path
 
-    from .bench import format_report, parse_strategy, plot_batch_sizes, run_benchmark
+    from .bench import check_sdpa_backends, format_report, parse_strategy, plot_batch_sizes, run_benchmark
 
     strategies = [parse_strategy(s) for s in args.strategies]
+    check_sdpa_backends(args.sdpa_backends)
     prompts = _prompts(args, None)  # bad input fails before the model loads
     sizes = args.batch_sizes or [args.batch_size]
     if any(b < 1 for b in sizes):
@@ -195,7 +196,7 @@ def _bench(args) -> int:
         report = run_benchmark(
             model, tokenizer, prompts, strategies, max_new_tokens=args.max_new_tokens,
             repeats=args.repeats, batch_size=b, output_dir=out, model_name=name, sampling=sampling,
-            chat_template=args.chat_template,
+            chat_template=args.chat_template, sdpa_backends=args.sdpa_backends,
         )
         reports.append(report)
         if len(sizes) > 1:
@@ -489,6 +490,10 @@ def _main(argv=None) -> int:
     p_bench.add_argument("--temperature", type=_positive_float, default=None, help="with --do-sample")
     p_bench.add_argument("--top-p", type=_probability, default=None, help="with --do-sample")
     p_bench.add_argument("--top-k", type=POSITIVE, default=None, help="with --do-sample")
+    p_bench.add_argument("--sdpa-backends", nargs="+", default=None, metavar="BACKEND",
+                         help="attention backends every entry may use (flash, efficient, cudnn, math; default: "
+                              "torch's choice), stock generate's included: e.g. flash efficient math keeps cuDNN's "
+                              "attention, which builds a graph per new shape, out of decoding on Hopper GPUs")
     p_bench.set_defaults(func=_bench)
 
     p_sweep = sub.add_parser("sweep", help="grid of one strategy's settings vs AR (TPF and tokens/s heatmaps)")

@@ -86,9 +86,26 @@ bench() { local name=$1 limit=$2 model=$3 n=$4; shift 4
 # 13-25 ms of host-bound work and the bench runs an untimed warm-up pass per strategy, so a batch-1 item takes ~1.5 s.
 # What the call's limit cuts is the end of the list; its results so far are packed.
 if [ -z "${SMOKE:-}" ]; then sec gpu_tests 50 "python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -rA ${PYTEST_K:+-k $PYTEST_K}"; fi
-# the drafter's forward beside the twins (45-74 ms in bf16 on the H200, 2 ms beside the 8.4M model in fp32): where it goes
-sec gpu_profile 60 "python3 scripts/gpu_profile.py $DEV --max-new-tokens $TOK --output-dir $RES/gpu_profile --configs \
+# the drafter's forward beside the twins (32-72 ms in bf16 on the H200, 2 ms beside the 8.4M model in fp32): where it
+# goes, with torch's attention backend and with cuDNN's kept out (torch 2.11 puts it first on Hopper in bf16; it builds a
+# graph per new shape, and decoding's key length grows every step)
+sec gpu_profile 120 "python3 scripts/gpu_profile.py $DEV --max-new-tokens $TOK --output-dir $RES/gpu_profile --configs \
   ${PROFILE_CONFIGS:-default-trained:float32 default-trained:bfloat16 default-trained-$S1:bfloat16 default-trained-$S1:float32}"
+# the bench with cuDNN's attention kept out of every entry, stock generate's included (nc_: no cuDNN)
+NC="--sdpa-backends flash efficient math"
+for m in default-trained default; do
+  bench "nc_b1_$m-$S1" 80 "$m-$S1" $NB1 --batch-sizes 1 $NC --strategies ${B1_STRATEGIES:-speculative $TREE $C4 \
+    transformers_prompt_lookup}
+done
+for m in default-trained default; do
+  bench "nc_b16_$m-$S1" 55 "$m-$S1" $NB --batch-sizes 16 $NC --strategies ${BATCH_STRATEGIES:-speculative $TREE $C4}
+done
+for m in default-trained default; do
+  bench "nc_sample_t0.8_$m-$S1" 45 "$m-$S1" $NB1 --batch-sizes 1 $NC --do-sample --temperature 0.8 \
+    --strategies speculative transformers_prompt_lookup
+  bench "nc_b64_$m-$S1" 75 "$m-$S1" $NB64 --batch-sizes 64 $NC --strategies ${BATCH_STRATEGIES:-speculative $C4}
+done
+# torch's own attention backend (measured 2026-11-28; rerun beside the nc_ sections for a same-call comparison)
 for m in default-trained default; do
   bench "b1_$m-$S1" 80 "$m-$S1" $NB1 --batch-sizes 1 --strategies ${B1_STRATEGIES:-speculative $TREE $C4 transformers_prompt_lookup}
 done

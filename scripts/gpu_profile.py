@@ -9,9 +9,11 @@ configuration runs the same call (one held-out window, batch 1, the configured t
     python scripts/gpu_profile.py --device cuda --configs default-trained:float32 default-trained:bfloat16 \
         default-trained-1b:bfloat16 default-trained-1b:float32 --output-dir /tmp/profile
 
-Writes ``summary.json`` (per configuration: the call's seconds, target forwards, drafter forwards, mean drafter wait
-and forward in ms) and ``<model>_<dtype>.txt`` (torch.profiler's tables of one call, by self CPU time and by device
-time).
+Each configuration runs under each ``--sdpa-variants`` entry: torch's own attention backend, and cuDNN's kept out
+(recent torch puts cuDNN's attention first on Hopper in bf16, and it builds a graph per new shape). Writes
+``summary.json`` (per configuration and variant: the call's seconds, drafter forwards, mean drafter wait and forward
+in ms, the attention ops the profiler saw) and ``<model>_<dtype>_<variant>.txt`` (torch.profiler's tables of one
+call, by self CPU time and by device time).
 """
 
 from __future__ import annotations
@@ -31,12 +33,10 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def profile_one(model_name: str, dtype: str, device: str, settings: dict, max_new_tokens: int, out_dir: Path,
-                prompt: str) -> dict:
-    from hf_paralleldecode.cli import _load
+def profile_one(model, tokenizer, name: str, tag: str, dtype: str, settings: dict, max_new_tokens: int,
+                out_dir: Path, prompt: str) -> dict:
     from hf_paralleldecode.drafters import diffusion
 
-    model, tokenizer, name = _load(SimpleNamespace(model=model_name, dtype=dtype, device=device, threads=None))
     dev = next(model.parameters()).device
     enc = tokenizer(prompt, return_tensors="pt").to(dev)
     kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, decoding="speculative",
@@ -78,7 +78,8 @@ def profile_one(model_name: str, dtype: str, device: str, settings: dict, max_ne
             table.table(sort_by="self_cpu_time_total", row_limit=35)]
     if dev.type == "cuda":
         text += ["## by device time", table.table(sort_by="self_cuda_time_total", row_limit=25)]
-    (out_dir / f"{model_name}_{dtype}.txt").write_text("\n".join(text) + "\n")
+    (out_dir / f"{tag}.txt").write_text("\n".join(text) + "\n")
+    attention = {e.key: e.count for e in table if "scaled_dot_product" in e.key or "attention" in e.key}
     generated = int(out.sequences.shape[1] - enc["input_ids"].shape[1])
     row = dict(model=name, dtype=dtype, device=str(dev), seconds=seconds, generated=generated,
                target_forwards=len(stats.get("accepted_lengths", [])) or None,
@@ -86,11 +87,8 @@ def profile_one(model_name: str, dtype: str, device: str, settings: dict, max_ne
                drafter_wait_ms=1e3 * statistics.mean(waits) if waits else None,
                drafter_forward_ms=1e3 * statistics.mean(forwards) if forwards else None,
                drafter_forward_ms_median=1e3 * statistics.median(forwards) if forwards else None,
-               drafter_dtype=str(stats.get("drafter_dtype")))
+               drafter_dtype=str(stats.get("drafter_dtype")), attention_ops=attention)
     print(json.dumps(row), flush=True)
-    del model
-    if dev.type == "cuda":
-        torch.cuda.empty_cache()
     return row
 
 
@@ -106,6 +104,8 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--prompts", default="hf_paralleldecode/assets/prompts/stdlib_test_midfile.jsonl")
     p.add_argument("--settings", default='{"adaptive": false}', help="generate() settings, JSON")
+    p.add_argument("--sdpa-variants", nargs="+", default=["default", "flash,efficient,math"],
+                   help="attention backends per run: 'default' (torch's choice) or names joined by commas")
     p.add_argument("--output-dir", required=True)
     args = p.parse_args()
     if args.threads:
@@ -114,12 +114,24 @@ def main() -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     prompt = load_prompts(args.prompts)[0]
+    from hf_paralleldecode.bench import sdpa_backends_context
+    from hf_paralleldecode.cli import _load
+
+    env = dict(torch=torch.__version__, cudnn=torch.backends.cudnn.version() if device.startswith("cuda") else None)
     rows = []
     for config in args.configs:
         model_name, dtype = config.split(":")
-        rows.append(profile_one(model_name, dtype, device, json.loads(args.settings), args.max_new_tokens,
-                                out_dir, prompt))
-        (out_dir / "summary.json").write_text(json.dumps(dict(torch=torch.__version__, rows=rows), indent=2))
+        model, tokenizer, name = _load(SimpleNamespace(model=model_name, dtype=dtype, device=device, threads=None))
+        for variant in args.sdpa_variants:
+            backends = None if variant == "default" else variant.split(",")
+            with sdpa_backends_context(backends):
+                row = profile_one(model, tokenizer, name, f"{model_name}_{dtype}_{variant.replace(',', '-')}", dtype,
+                                  json.loads(args.settings), args.max_new_tokens, out_dir, prompt)
+            rows.append(dict(row, sdpa=variant))
+            (out_dir / "summary.json").write_text(json.dumps(dict(env, rows=rows), indent=2))
+        del model
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

@@ -47,6 +47,43 @@ def test_each_bench_entry_learns_only_from_its_own_calls():
     assert len({i for _, i in plain["times"]}) == 1 and 0 not in {i for _, i in plain["times"]}  # plain steps only
 
 
+def test_sdpa_backends_restrict_attention_for_every_entry_stock_included_and_are_restored(monkeypatch):
+    """``sdpa_backends`` holds for every run, stock generate's and the warm-up's included (so the entries stay
+    comparable), the report records it, and torch's own choice is back afterwards."""
+    import hf_paralleldecode.bench as bench
+
+    seen = []
+    one_run = bench._one_run
+
+    def spy(model, enc, spec, *args, **kwargs):
+        seen.append((spec is None, torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.math_sdp_enabled()))
+        return one_run(model, enc, spec, *args, **kwargs)
+
+    monkeypatch.setattr(bench, "_one_run", spy)
+    before = (torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.mem_efficient_sdp_enabled(),
+              torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.math_sdp_enabled())
+    model = tiny_model("llama")
+    report = run_benchmark(model, word_tokenizer(), ["t5 t6 t7 t5 t6 t7", "t9 t10 t9"], [parse_strategy("jacobi")],
+                           max_new_tokens=6, repeats=1, batch_size=2, progress=False, sdpa_backends=["math"])
+    assert report["sdpa_backends"] == ["math"] and report["cudnn"] is None
+    assert report["results"]["jacobi"]["exact_match_vs_ar"] == 1.0
+    assert len(seen) == 4 and {ar for ar, _, _ in seen} == {True, False}  # warm-up and timed, stock and jacobi
+    assert all(not flash and math for _, flash, math in seen)
+    assert (torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.mem_efficient_sdp_enabled(),
+            torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.math_sdp_enabled()) == before
+    default = run_benchmark(model, word_tokenizer(), ["t5 t6"], [], max_new_tokens=2, repeats=1, progress=False)
+    assert default["sdpa_backends"] is None
+
+
+@pytest.mark.parametrize("bad", [[], ["flash", "triton"], "fast"])
+def test_an_unknown_sdpa_backend_is_a_clear_error_before_anything_runs(bad, capsys):
+    with pytest.raises(ValueError, match="sdpa_backends takes one or more of .*cudnn.*efficient.*flash.*math"):
+        run_benchmark(None, None, ["t5"], [], sdpa_backends=bad)
+    with pytest.raises(SystemExit) as exc:  # before the model loads
+        cli.main(["bench", "--model", "random-tiny", "--sdpa-backends", "flash", "cudnnn", "--output-dir", ""])
+    assert exc.value.code == 2 and "cudnnn" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("batch_size", [1, 2])
 def test_benchmark_reports_every_figure_and_writes_json_and_png(tmp_path, batch_size):
     model = tiny_model("llama")
