@@ -101,10 +101,11 @@ def _load(args):
 
     from .hardware import SlowMatmulWarning, slow_matmul_message
 
-    slow = slow_matmul_message(dtype, f"--dtype {args.dtype}") if torch.device(device).type == "cpu" else None
+    on_cpu = torch.device(device).type == "cpu"
+    slow = slow_matmul_message(dtype, f"--dtype {args.dtype}", fix="--dtype float32") if on_cpu else None
     if slow and not getattr(args, "_warned", False):
         args._warned = True  # once per command (demo loads two models)
-        print("warning: " + slow.replace("use float32", "use --dtype float32"), file=sys.stderr)
+        print("warning: " + slow, file=sys.stderr)
     if args.model.startswith("random-"):
         tokenizer = load_tokenizer(default_model_path())
         model = random_model(args.model, vocab_size=len(tokenizer))

@@ -159,16 +159,16 @@ class SlowMatmulWarning(UserWarning):
     """A model is built in a dtype this CPU multiplies on a slow fallback (:func:`cpu_has_fast_matmul`)."""
 
 
-def slow_matmul_message(dtype: torch.dtype, what: str) -> str | None:
-    """The warning for ``what`` (e.g. ``"--dtype bfloat16"``) in ``dtype`` on this CPU, naming the fix; ``None`` where
-    the CPU has a fast kernel for it."""
+def slow_matmul_message(dtype: torch.dtype, what: str, fix: str = "float32") -> str | None:
+    """The warning for ``what`` (e.g. ``"--dtype bfloat16"``) in ``dtype`` on this CPU, naming the fix (``fix``: how
+    the caller asks for float32); ``None`` where the CPU has a fast kernel for it."""
     if cpu_has_fast_matmul(dtype):
         return None
     name = str(dtype).replace("torch.", "")
     needs = "AVX-512" if dtype == torch.bfloat16 else "AVX-512-FP16 or AMX"
     return (f"{what} on this CPU: its oneDNN has no {name} matrix kernel (it needs {needs}), so torch multiplies such "
             f"matrices on a fallback whose cost grows with every token fed, many times float32's. Speed figures "
-            f"measure that fallback, not the model; use float32 here, or a CPU with {needs}.")
+            f"measure that fallback, not the model; use {fix} here, or a CPU with {needs}.")
 
 
 def _capability(device_or_capability) -> tuple[int, int] | None:

@@ -93,7 +93,8 @@ def profile_one(model, tokenizer, name: str, tag: str, dtype: str, settings: dic
 
 
 def main() -> None:
-    from hf_paralleldecode.bench import load_prompts
+    from hf_paralleldecode.bench import load_prompts, sdpa_backends_context
+    from hf_paralleldecode.cli import _load
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--configs", nargs="+", default=["default-trained:float32", "default-trained:bfloat16",
@@ -114,9 +115,6 @@ def main() -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     prompt = load_prompts(args.prompts)[0]
-    from hf_paralleldecode.bench import sdpa_backends_context
-    from hf_paralleldecode.cli import _load
-
     env = dict(torch=torch.__version__, cudnn=torch.backends.cudnn.version() if device.startswith("cuda") else None)
     rows = []
     for config in args.configs:
