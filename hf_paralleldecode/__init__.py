@@ -47,6 +47,8 @@ _LAZY = {
     "load_default_model": "loading",
     "load_tokenizer": "loading",
     "hardware_preset": "hardware",
+    "set_attention_priority": "attention",
+    "attention_priority": "attention",
     "cost_twin": "twins",
     "TwinShape": "twins",
     "TWIN_SHAPES": "twins",
@@ -72,6 +74,7 @@ __all__ = [
     "TWIN_SHAPES",
     "TwinShape",
     "__version__",
+    "attention_priority",
     "available_decodings",
     "cost_twin",
     "decoding_strategy",
@@ -91,6 +94,7 @@ __all__ = [
     "lookahead",
     "prompt_lookup",
     "register_decoding",
+    "set_attention_priority",
     "speculative",
 ]
 
@@ -109,6 +113,7 @@ def __dir__():
 
 
 if TYPE_CHECKING:  # pragma: no cover
+    from .attention import attention_priority, set_attention_priority
     from .config import ParallelDecodingConfig
     from .decoding.jacobi import JacobiSettings, jacobi
     from .decoding.jacobi_forcing import JacobiForcingSettings, jacobi_forcing

@@ -31,6 +31,7 @@ What it deliberately does not do
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import logging
@@ -41,38 +42,17 @@ from pathlib import Path
 
 import torch
 
+from .attention import (  # noqa: F401 - SDPA_BACKENDS's old home
+    SDPA_BACKENDS,
+    check_attention_priority,
+    check_sdpa_backends,
+    get_attention_priority,
+    sdpa_backends_context,
+    sdpa_priority_names,
+)
+from .attention import attention_priority as priority_context
 from .decoding.policy.memory import memory_scope
 from .integration import STOCK
-
-#: ``sdpa_backends`` names and torch's ``SDPBackend`` members they select
-SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "cudnn": "CUDNN_ATTENTION",
-                 "math": "MATH"}
-
-
-def check_sdpa_backends(names) -> list[str] | None:
-    """``names`` as a list after checking them (``None``: torch's own choice); ``ValueError`` naming the choices."""
-    if names is None:
-        return None
-    names = [names] if isinstance(names, str) else list(names)
-    unknown = [n for n in names if n not in SDPA_BACKENDS]
-    if not names or unknown:
-        raise ValueError(f"sdpa_backends takes one or more of {sorted(SDPA_BACKENDS)}, got {names}: name the "
-                         "backends scaled_dot_product_attention may use (e.g. flash efficient math to keep cuDNN's "
-                         "out), or leave it unset for torch's own choice.")
-    return names
-
-
-def sdpa_backends_context(names):
-    """A context in which ``scaled_dot_product_attention`` uses only the backends ``names`` (torch's
-    ``sdpa_kernel``); a no-op for ``None``."""
-    import contextlib
-
-    names = check_sdpa_backends(names)
-    if names is None:
-        return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    return sdpa_kernel([getattr(SDPBackend, SDPA_BACKENDS[n]) for n in names])
 
 logger = logging.getLogger(__name__)
 
@@ -417,6 +397,7 @@ def run_benchmark(
     sampling: dict | None = None,
     chat_template: bool | None = None,
     sdpa_backends: list[str] | None = None,
+    attention_priority: str | list[str] | None = None,
 ) -> dict:
     """Run AR and ``strategies`` interleaved; return (and optionally write) the report.
 
@@ -433,8 +414,13 @@ def run_benchmark(
     ``sdpa_backends``: the attention backends every run may use (names of :data:`SDPA_BACKENDS`; ``None``: torch's
     own choice), stock generate's included, so the entries stay comparable. On Hopper GPUs recent torch puts
     cuDNN's attention first for bf16 and fp16, and cuDNN builds a graph for each new shape: decoding, whose key
-    length grows every step, then pays that on each forward (``["flash", "efficient", "math"]`` keeps it out)."""
+    length grows every step, then pays that on each forward (``["flash", "efficient", "math"]`` keeps it out).
+
+    ``attention_priority``: the attention priority of the decoding entries (not stock's; ``None``: the process's,
+    :func:`hf_paralleldecode.attention.set_attention_priority`, by default ``"auto"``: cuDNN's attention after the
+    others where torch tries it first). The report records it and torch's own order (``sdpa_priority_order``)."""
     sdpa_backends = check_sdpa_backends(sdpa_backends)
+    priority = get_attention_priority() if attention_priority is None else check_attention_priority(attention_priority)
     if sampling is not None:
         unknown = sorted(set(sampling) - {"temperature", "top_p", "top_k"})
         if unknown:
@@ -463,8 +449,9 @@ def run_benchmark(
     matches = {lab: [0, 0] for lab in labels}
     resolved = {lab: {} for lab in labels}
     drafts = {lab: None for lab in labels}  # learned drafters: accepted lengths and drafter cost of the last repeat
-    backends = sdpa_backends_context(sdpa_backends)
-    backends.__enter__()
+    backends = contextlib.ExitStack()
+    backends.enter_context(sdpa_backends_context(sdpa_backends))
+    backends.enter_context(priority_context(priority))
     try:
         # each entry learns only from its own calls (memory_scope): entries that share a drafter and a policy key
         # (`speculative` and `speculative:max_step_tokens=1`) would otherwise keep each other's step times fresh
@@ -516,7 +503,7 @@ def run_benchmark(
                 totals[lab].append(acc[lab])
         bar.close()
     finally:
-        backends.__exit__(None, None, None)
+        backends.close()
         timer.remove()
 
     report = dict(
@@ -533,6 +520,8 @@ def run_benchmark(
         sampling=dict(do_sample=True, **sampling) if sampling is not None else None,
         sdpa_backends=sdpa_backends,
         cudnn=torch.backends.cudnn.version() if device.type == "cuda" else None,
+        attention_priority=priority if isinstance(priority, str) else list(priority),
+        sdpa_priority_order=sdpa_priority_names() if device.type == "cuda" else None,
         results={},
     )
     ar = totals["ar"]

@@ -182,6 +182,12 @@ def _bench(args) -> int:
 
     strategies = [parse_strategy(s) for s in args.strategies]
     check_sdpa_backends(args.sdpa_backends)
+    priority = None
+    if args.attention_priority is not None:
+        from .attention import ATTENTION_PRIORITIES, check_attention_priority
+
+        given = args.attention_priority
+        priority = check_attention_priority(given[0] if len(given) == 1 and given[0] in ATTENTION_PRIORITIES else given)
     prompts = _prompts(args, None)  # bad input fails before the model loads
     sizes = args.batch_sizes or [args.batch_size]
     if any(b < 1 for b in sizes):
@@ -197,7 +203,7 @@ def _bench(args) -> int:
         report = run_benchmark(
             model, tokenizer, prompts, strategies, max_new_tokens=args.max_new_tokens,
             repeats=args.repeats, batch_size=b, output_dir=out, model_name=name, sampling=sampling,
-            chat_template=args.chat_template, sdpa_backends=args.sdpa_backends,
+            chat_template=args.chat_template, sdpa_backends=args.sdpa_backends, attention_priority=priority,
         )
         reports.append(report)
         if len(sizes) > 1:
@@ -495,6 +501,10 @@ def _main(argv=None) -> int:
                          help="attention backends every entry may use (flash, efficient, cudnn, math; default: "
                               "torch's choice), stock generate's included: e.g. flash efficient math keeps cuDNN's "
                               "attention, which builds a graph per new shape, out of decoding on Hopper GPUs")
+    p_bench.add_argument("--attention-priority", nargs="+", default=None, metavar="SETTING",
+                         help="attention priority of the decoding entries (not stock's): auto (default: cuDNN's "
+                              "attention after the others on GPUs where torch tries it first), torch (torch's order), "
+                              "or backend names in the order to try them")
     p_bench.set_defaults(func=_bench)
 
     p_sweep = sub.add_parser("sweep", help="grid of one strategy's settings vs AR (TPF and tokens/s heatmaps)")

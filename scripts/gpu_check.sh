@@ -87,8 +87,8 @@ bench() { local name=$1 limit=$2 model=$3 n=$4; shift 4
 # What the call's limit cuts is the end of the list; its results so far are packed.
 if [ -z "${SMOKE:-}" ]; then sec gpu_tests 50 "python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -rA ${PYTEST_K:+-k $PYTEST_K}"; fi
 # the drafter's forward beside the twins (32-72 ms in bf16 on the H200, 2 ms beside the 8.4M model in fp32): where it
-# goes, with torch's attention backend and with cuDNN's kept out (torch 2.11 puts it first on Hopper in bf16; it builds a
-# graph per new shape, and decoding's key length grows every step)
+# goes, with torch's attention order in the decoding call and with the library's (auto: cuDNN's attention after the
+# others; torch 2.11 puts it first on Hopper in bf16, it builds a graph per new shape, decoding's shapes change)
 sec gpu_profile 120 "python3 scripts/gpu_profile.py $DEV --max-new-tokens $TOK --output-dir $RES/gpu_profile --configs \
   ${PROFILE_CONFIGS:-default-trained:float32 default-trained:bfloat16 default-trained-$S1:bfloat16 default-trained-$S1:float32}"
 # the bench with cuDNN's attention kept out of every entry, stock generate's included (nc_: no cuDNN)
@@ -105,9 +105,14 @@ for m in default-trained default; do
     --strategies speculative transformers_prompt_lookup
   bench "nc_b64_$m-$S1" 75 "$m-$S1" $NB64 --batch-sizes 64 $NC --strategies ${BATCH_STRATEGIES:-speculative $C4}
 done
-# torch's own attention backend (measured 2026-11-28; rerun beside the nc_ sections for a same-call comparison)
+# as a user runs them: stock generate with torch's attention order, the decoding entries with the library's (auto)
 for m in default-trained default; do
   bench "b1_$m-$S1" 80 "$m-$S1" $NB1 --batch-sizes 1 --strategies ${B1_STRATEGIES:-speculative $TREE $C4 transformers_prompt_lookup}
+done
+# the decoding entries with torch's order too (tp_: what the 2026-11-28 run measured, before the auto default)
+for m in default-trained default; do
+  bench "tp_b1_$m-$S1" 80 "$m-$S1" $NB1 --batch-sizes 1 --attention-priority torch --strategies \
+    ${B1_STRATEGIES:-speculative $TREE $C4 transformers_prompt_lookup}
 done
 # batch 16 and 64 against stock batched generate (transformers' prompt lookup runs row by row at batch > 1: its
 # batch-1 rate above is its rate at any batch)

@@ -9,8 +9,10 @@ configuration runs the same call (one held-out window, batch 1, the configured t
     python scripts/gpu_profile.py --device cuda --configs default-trained:float32 default-trained:bfloat16 \
         default-trained-1b:bfloat16 default-trained-1b:float32 --output-dir /tmp/profile
 
-Each configuration runs under each ``--sdpa-variants`` entry: torch's own attention backend, and cuDNN's kept out
-(recent torch puts cuDNN's attention first on Hopper in bf16, and it builds a graph per new shape). Writes
+Each configuration runs under each ``--sdpa-variants`` entry: ``torch`` (the decoding call keeps torch's attention
+order: recent torch puts cuDNN's attention first on Hopper in bf16, and it builds a graph per new shape), ``auto``
+(the library's default: cuDNN's attention after the others in decoding calls, hf_paralleldecode.attention), or
+backend names joined by commas (only those, for the whole call). Writes
 ``summary.json`` (per configuration and variant: the call's seconds, drafter forwards, mean drafter wait and forward
 in ms, the attention ops the profiler saw) and ``<model>_<dtype>_<variant>.txt`` (torch.profiler's tables of one
 call, by self CPU time and by device time).
@@ -93,7 +95,8 @@ def profile_one(model, tokenizer, name: str, tag: str, dtype: str, settings: dic
 
 
 def main() -> None:
-    from hf_paralleldecode.bench import load_prompts, sdpa_backends_context
+    from hf_paralleldecode.attention import attention_priority, sdpa_backends_context
+    from hf_paralleldecode.bench import load_prompts
     from hf_paralleldecode.cli import _load
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -105,8 +108,9 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--prompts", default="hf_paralleldecode/assets/prompts/stdlib_test_midfile.jsonl")
     p.add_argument("--settings", default='{"adaptive": false}', help="generate() settings, JSON")
-    p.add_argument("--sdpa-variants", nargs="+", default=["default", "flash,efficient,math"],
-                   help="attention backends per run: 'default' (torch's choice) or names joined by commas")
+    p.add_argument("--sdpa-variants", nargs="+", default=["torch", "auto"],
+                   help="attention per run: 'torch' (torch's order), 'auto' (the library's default) or backend names "
+                        "joined by commas")
     p.add_argument("--output-dir", required=True)
     args = p.parse_args()
     if args.threads:
@@ -116,13 +120,17 @@ def main() -> None:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     prompt = load_prompts(args.prompts)[0]
     env = dict(torch=torch.__version__, cudnn=torch.backends.cudnn.version() if device.startswith("cuda") else None)
+    for variant in args.sdpa_variants:  # a bad name fails before any model loads
+        if variant not in ("torch", "auto"):
+            sdpa_backends_context(variant.split(","))
     rows = []
     for config in args.configs:
         model_name, dtype = config.split(":")
         model, tokenizer, name = _load(SimpleNamespace(model=model_name, dtype=dtype, device=device, threads=None))
         for variant in args.sdpa_variants:
-            backends = None if variant == "default" else variant.split(",")
-            with sdpa_backends_context(backends):
+            named = variant in ("torch", "auto")
+            with attention_priority(variant if named else "auto"), sdpa_backends_context(
+                    None if named else variant.split(",")):
                 row = profile_one(model, tokenizer, name, f"{model_name}_{dtype}_{variant.replace(',', '-')}", dtype,
                                   json.loads(args.settings), args.max_new_tokens, out_dir, prompt)
             rows.append(dict(row, sdpa=variant))

@@ -236,6 +236,9 @@ NOT_TRANSFORMERS = {
     "_forward_pre_hooks": "torch.nn.Module hooks (engine/target.py)",
     "_global_forward_hooks": "torch.nn.Module global hooks (engine/target.py)",
     "_global_forward_pre_hooks": "torch.nn.Module global hooks (engine/target.py)",
+    "_C": "torch._C, for the attention backends' priority order (attention.py; tests/test_attention.py uses it)",
+    "_get_sdp_priority_order": "torch's attention backends' priority order (attention.py)",
+    "_set_sdp_priority_order": "torch's attention backends' priority order (attention.py)",
 }
 
 

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from ..attention import decoding_attention
 from ..compat import GenerateDecoderOnlyOutput, enclosing_generate_streamer, user_cache
 from .cache import SlotCache, prepare_cache
 from .commit import CommitLog
@@ -449,7 +450,8 @@ def old_objects_frozen() -> Iterator[None]:
 def decode(model, name, make_proposer, input_ids, logits_processor, stopping_criteria, generation_config,
            streamer, model_kwargs, settings: dict, pd_streamer=None):
     """The loop every strategy shares: validate + prefill, then propose -> verify -> update until done, with the
-    objects that existed before the call frozen (:func:`old_objects_frozen`).
+    objects that existed before the call frozen (:func:`old_objects_frozen`) and the call's attention priority
+    (:func:`hf_paralleldecode.attention.decoding_attention`).
 
     ``pd_streamer`` (what ``decoding=`` routes ``streamer=`` to, see ``integration.py``) wins over
     ``streamer``. When neither arrives but the user gave ``generate(streamer=...)`` with
@@ -462,7 +464,9 @@ def decode(model, name, make_proposer, input_ids, logits_processor, stopping_cri
     if streamer is None:  # custom_generate=<strategy> called directly: generate kept the user's streamer
         streamer = enclosing_generate_streamer(depth=2)
         prompt_streamed = streamer is not None  # generate has already put the prompt into it
-    with old_objects_frozen():  # full collections in the loop walk only what the call allocates
+    # full collections in the loop walk only what the call allocates; cuDNN's attention after the others on GPUs
+    # where torch tries it first (hf_paralleldecode.attention: it builds a plan for every new shape)
+    with old_objects_frozen(), decoding_attention(input_ids.device):
         run = start(model, name, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
                     model_kwargs, prompt_streamed)
         run.stats.update(settings)
