@@ -152,3 +152,27 @@ def test_the_bench_records_the_priority_of_its_decoding_entries_and_refuses_a_ba
     with pytest.raises(SystemExit) as exc:  # before the model loads
         cli.main(["bench", "--model", "random-tiny", "--attention-priority", "quick", "--output-dir", ""])
     assert exc.value.code == 2 and "quick" in capsys.readouterr().err
+
+
+def test_the_forward_cost_curve_is_measured_with_the_attention_order_of_decoding_calls(monkeypatch):
+    """forward_cost (the policy's and tune's curve) times forwards under decoding_attention on the model's device,
+    and a curve measured under one priority is not reused under another."""
+    import contextlib
+
+    from hf_paralleldecode.decoding.policy import budget
+
+    entered = []
+
+    @contextlib.contextmanager
+    def spy(device):
+        entered.append(str(device))
+        yield {}
+
+    monkeypatch.setattr(budget, "decoding_attention", spy)
+    model = tiny_model("llama")
+    budget.forward_cost(model, context=4, repeats=1, tokens=(1, 2))
+    budget.forward_cost(model, context=4, repeats=1, tokens=(1, 2))  # the same probe: remembered
+    assert entered == ["cpu"]
+    with attention.attention_priority("torch"):
+        budget.forward_cost(model, context=4, repeats=1, tokens=(1, 2))
+    assert entered == ["cpu", "cpu"]

@@ -52,3 +52,38 @@ def test_cuda_fp32_speculative_exact(arch, kind):
     ref = model.generate(**kwargs)
     out = model.generate(**kwargs, decoding="speculative", drafter=head, tree_budget=32)
     assert torch.equal(out, ref)
+
+
+def test_cuda_decoding_calls_put_cudnn_attention_last_and_restore_torch_order(monkeypatch, record_property):
+    """On a GPU where torch tries cuDNN's attention first (Hopper / Blackwell, cuDNN >= 9.15), every attention call
+    of a decoding call sees it last, stock generate keeps torch's order, and the order is torch's again afterwards;
+    elsewhere, and under attention priority "torch", the order is never touched."""
+    from torch.nn.attention import SDPBackend
+
+    model = hfpd.enable(tiny_model("llama").to("cuda", torch.bfloat16))
+    ids, mask = prompts(3)
+    kwargs = dict(input_ids=ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=12, do_sample=False)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    seen = []
+
+    def spy(*args, **kw):
+        seen.append(torch._C._get_sdp_priority_order()[:4])
+        return sdpa(*args, **kw)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    model.generate(**kwargs)  # stock: torch settles its order on its first attention call
+    torch_order = torch._C._get_sdp_priority_order()
+    stock, seen[:] = list(seen), []
+    model.generate(**kwargs, decoding="jacobi", block_size=4)
+    decoding, seen[:] = list(seen), []
+    with hfpd.attention_priority("torch"):
+        model.generate(**kwargs, decoding="jacobi", block_size=4)
+    cudnn, flash = int(SDPBackend.CUDNN_ATTENTION), int(SDPBackend.FLASH_ATTENTION)
+    record_property("torch_sdpa_order", torch_order)
+    assert stock and decoding and seen
+    assert torch._C._get_sdp_priority_order() == torch_order
+    assert all(o == torch_order[:4] for o in stock + seen)
+    if torch_order.index(cudnn) < torch_order.index(flash):  # torch tries cuDNN first on this GPU
+        assert all(o[-1] == cudnn and o[0] == flash for o in decoding)
+    else:
+        assert all(o == torch_order[:4] for o in decoding)

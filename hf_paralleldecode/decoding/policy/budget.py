@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import torch
 
+from ...attention import decoding_attention, get_attention_priority
 from .memory import memory_of
 
 __all__ = ["ForwardCost", "AcceptanceModel", "CostAwareBudget", "forward_cost"]
@@ -92,7 +93,8 @@ def forward_cost(model, context: int = 64, repeats: int = 5, tokens=MEASURED_TOK
 
     Each point is the median of ``repeats`` forwards of ``n`` tokens (``n`` in ``tokens``) after a
     ``context``-token prefix held in a cache, timed with a device sync on CUDA, for ``batch`` rows (``n`` tokens
-    each), after ``warmups`` untimed ones, on the model's clock. Costs a few dozen forwards.
+    each), after ``warmups`` untimed ones, on the model's clock, with the attention priority of decoding calls
+    (:func:`hf_paralleldecode.attention.decoding_attention`). Costs a few dozen forwards.
     On a model with a learned position table (GPT-2's ``n_positions``) the probe stays inside it: the prefix
     shrinks to a quarter of the table at most and sizes that would not fit are not measured.
     """
@@ -103,32 +105,39 @@ def forward_cost(model, context: int = 64, repeats: int = 5, tokens=MEASURED_TOK
         context = min(int(context), table // 4)
         tokens = tuple(n for n in tokens if context + n <= table) or (1,)
     device = next(model.parameters()).device
-    key = (str(device), str(next(model.parameters()).dtype), int(context), tuple(tokens), int(batch), int(warmups))
+    key = (str(device), str(next(model.parameters()).dtype), int(context), tuple(tokens), int(batch), int(warmups),
+           str(get_attention_priority()))
     memory = memory_of(model)
     known, clock = memory.forward_costs, memory.clock
     if key in known:
         return ForwardCost(known[key])  # a fresh level per run, the measured shape
-    from ...compat import DynamicCache, cache_kwargs
-
     vocab = model.get_output_embeddings().weight.shape[0] if model.get_output_embeddings() is not None else 2
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *a: None)
     generator = torch.Generator().manual_seed(0)  # the user's global RNG stays untouched
     points = []
-    for n in tokens:
-        times = []
-        for _ in range(repeats + warmups):
-            cache = DynamicCache()
-            ids = torch.randint(0, vocab, (batch, context + n), generator=generator).to(device)
-            model(input_ids=ids[:, :context], use_cache=True, **cache_kwargs(model, cache))
-            sync()
-            t0 = clock()
-            model(input_ids=ids[:, context:], use_cache=True, **cache_kwargs(model, cache))
-            sync()
-            times.append(clock() - t0)
-        timed = sorted(times[warmups:])
-        points.append((n, timed[len(timed) // 2]))
+    with decoding_attention(device):  # the attention order decoding calls run with (cuDNN's after the others)
+        for n in tokens:
+            points.append((n, _median_forward(model, device, vocab, generator, batch, context, n, repeats, warmups,
+                                              sync, clock)))
     known[key] = ForwardCost(points).points
     return ForwardCost(points)
+
+
+def _median_forward(model, device, vocab, generator, batch, context, n, repeats, warmups, sync, clock) -> float:
+    from ...compat import DynamicCache, cache_kwargs
+
+    times = []
+    for _ in range(repeats + warmups):
+        cache = DynamicCache()
+        ids = torch.randint(0, vocab, (batch, context + n), generator=generator).to(device)
+        model(input_ids=ids[:, :context], use_cache=True, **cache_kwargs(model, cache))
+        sync()
+        t0 = clock()
+        model(input_ids=ids[:, context:], use_cache=True, **cache_kwargs(model, cache))
+        sync()
+        times.append(clock() - t0)
+    timed = sorted(times[warmups:])
+    return timed[len(timed) // 2]
 
 
 class AcceptanceModel:
