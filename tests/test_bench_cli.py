@@ -364,8 +364,18 @@ def test_the_paired_regret_script_reports_every_round_and_the_policys_regret(tmp
     assert s["best_fixed_speed"] == max(s["speed_vs_stock"][n] for n in fixed)
     assert s["regret"] == pytest.approx(1 - s["speed_vs_stock"]["default"] / s["best_fixed_speed"])
     assert report["after_first_round"]["speed_vs_stock"]["default"] == report["speed_vs_stock_by_round"]["default"][1]
+    rounds = report["speed_vs_stock_by_round"]
+    per_round = sorted(1 - d / b for d, b in zip(rounds["default"], rounds[s["best_fixed"]]))
+    assert s["paired_regret"] == pytest.approx(sum(per_round) / 2)  # the median of each round's own regret
+    # --resummarize recomputes both summaries from the seconds a report holds (an earlier report gains paired_regret)
+    old = dict(report, all_rounds={k: v for k, v in s.items() if k != "paired_regret"}, after_first_round=None)
+    out.write_text(json.dumps(old))
+    assert script.main(["--resummarize", str(out)]) == 0
+    assert json.loads(out.read_text()) == report
     with pytest.raises(SystemExit, match="num-prompts"):
         script.main(["--model", "default", "--batch-size", "8", "--num-prompts", "4", "--output", str(out)])
+    with pytest.raises(SystemExit, match="needs --model, --batch-size and --output"):
+        script.main(["--model", "default", "--output", str(out)])
 
 
 @pytest.mark.parametrize("fast", [False, True])
