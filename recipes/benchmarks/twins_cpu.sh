@@ -56,8 +56,19 @@ if want roofline; then
   python3 scripts/gpu_roofline.py --plot "$OUT"/roofline_default-"$SHAPE"_bfloat16.json "$OUT"/roofline_default-"$SHAPE"_float32.json \
     "$OUT"/roofline_default_float32.json --output "$OUT/roofline.png"
 fi
-want fp32 && run "fp32_b1_default-trained-$SHAPE" $BENCH --model "default-trained-$SHAPE" --dtype float32 --prompts $P \
-  --num-prompts "$NB1" --batch-sizes 1 --repeats "$REPB" --strategies speculative $TREE transformers_prompt_lookup
+# fp32: batch 1 and sampling on both models, 16 rows on the JF model (its tree is left out there: 16 x 21 tokens a
+# forward); on 2 cores of an AVX2-only CPU about 75 minutes (docs/assets/twins/cpu/fp32/)
+if want fp32; then
+  mkdir -p "$OUT/fp32"
+  for m in default-trained default; do
+    run "fp32/b1_$m-$SHAPE" $BENCH --model "$m-$SHAPE" --dtype float32 --prompts $P2 --num-prompts "$NB1" \
+      --batch-sizes 1 --repeats "$REPB" --strategies speculative $TREE $C4 transformers_prompt_lookup
+    run "fp32/sample_t0.8_$m-$SHAPE" $BENCH --model "$m-$SHAPE" --dtype float32 --prompts $P2 --num-prompts "$NB1" \
+      --batch-sizes 1 --repeats "$REPB" --do-sample --temperature 0.8 --strategies speculative transformers_prompt_lookup
+  done
+  run "fp32/b16_default-trained-$SHAPE" $BENCH --model "default-trained-$SHAPE" --dtype float32 --prompts $P2 \
+    --num-prompts 16 --batch-sizes 16 --repeats "$REPB" --strategies speculative $C4 $C2 $PLAIN
+fi
 for m in default-trained default; do
   want sample03 && run "sample_t0.3_$m-$SHAPE" $BENCH --model "$m-$SHAPE" --dtype bfloat16 --prompts $P \
     --num-prompts "$NB1" --batch-sizes 1 --repeats "$REPB" --do-sample --temperature 0.3 \
