@@ -95,7 +95,7 @@ def profile_one(model, tokenizer, name: str, tag: str, dtype: str, settings: dic
 
 
 def main() -> None:
-    from hf_paralleldecode.attention import attention_priority, sdpa_backends_context
+    from hf_paralleldecode.attention import attention_priority, check_sdpa_backends, sdpa_backends_context
     from hf_paralleldecode.bench import load_prompts
     from hf_paralleldecode.cli import _load
 
@@ -122,7 +122,7 @@ def main() -> None:
     env = dict(torch=torch.__version__, cudnn=torch.backends.cudnn.version() if device.startswith("cuda") else None)
     for variant in args.sdpa_variants:  # a bad name fails before any model loads
         if variant not in ("torch", "auto"):
-            sdpa_backends_context(variant.split(","))
+            check_sdpa_backends(variant.split(","))
     rows = []
     for config in args.configs:
         model_name, dtype = config.split(":")

@@ -111,33 +111,28 @@ def forward_cost(model, context: int = 64, repeats: int = 5, tokens=MEASURED_TOK
     known, clock = memory.forward_costs, memory.clock
     if key in known:
         return ForwardCost(known[key])  # a fresh level per run, the measured shape
+    from ...compat import DynamicCache, cache_kwargs
+
     vocab = model.get_output_embeddings().weight.shape[0] if model.get_output_embeddings() is not None else 2
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *a: None)
     generator = torch.Generator().manual_seed(0)  # the user's global RNG stays untouched
     points = []
     with decoding_attention(device):  # the attention order decoding calls run with (cuDNN's after the others)
         for n in tokens:
-            points.append((n, _median_forward(model, device, vocab, generator, batch, context, n, repeats, warmups,
-                                              sync, clock)))
+            times = []
+            for _ in range(repeats + warmups):
+                cache = DynamicCache()
+                ids = torch.randint(0, vocab, (batch, context + n), generator=generator).to(device)
+                model(input_ids=ids[:, :context], use_cache=True, **cache_kwargs(model, cache))
+                sync()
+                t0 = clock()
+                model(input_ids=ids[:, context:], use_cache=True, **cache_kwargs(model, cache))
+                sync()
+                times.append(clock() - t0)
+            timed = sorted(times[warmups:])
+            points.append((n, timed[len(timed) // 2]))
     known[key] = ForwardCost(points).points
     return ForwardCost(points)
-
-
-def _median_forward(model, device, vocab, generator, batch, context, n, repeats, warmups, sync, clock) -> float:
-    from ...compat import DynamicCache, cache_kwargs
-
-    times = []
-    for _ in range(repeats + warmups):
-        cache = DynamicCache()
-        ids = torch.randint(0, vocab, (batch, context + n), generator=generator).to(device)
-        model(input_ids=ids[:, :context], use_cache=True, **cache_kwargs(model, cache))
-        sync()
-        t0 = clock()
-        model(input_ids=ids[:, context:], use_cache=True, **cache_kwargs(model, cache))
-        sync()
-        times.append(clock() - t0)
-    timed = sorted(times[warmups:])
-    return timed[len(timed) // 2]
 
 
 class AcceptanceModel:
