@@ -47,16 +47,19 @@ _probed: set[str] = set()
 _lock = threading.Lock()
 
 
-def check_sdpa_backends(names) -> list[str] | None:
-    """``names`` as a list after checking them (``None``: torch's own choice); ``ValueError`` naming the choices."""
+def check_sdpa_backends(names, setting: str = "sdpa_backends") -> list[str] | None:
+    """``names`` as a list after checking them (``None``: torch's own choice); ``ValueError`` naming the choices
+    and the ``setting`` they were given to."""
     if names is None:
         return None
     names = [names] if isinstance(names, str) else list(names)
     unknown = [n for n in names if n not in SDPA_BACKENDS]
     if not names or unknown:
-        raise ValueError(f"sdpa_backends takes one or more of {sorted(SDPA_BACKENDS)}, got {names}: name the "
-                         "backends scaled_dot_product_attention may use (e.g. flash efficient math to keep cuDNN's "
-                         "out), or leave it unset for torch's own choice.")
+        raise ValueError(f"{setting} takes one or more of {sorted(SDPA_BACKENDS)}, got {names}"
+                         f"{f' (unknown: {unknown})' if unknown else ''}: name the backends "
+                         "scaled_dot_product_attention may use (e.g. flash efficient math to keep cuDNN's out), or "
+                         + ("leave it unset for torch's own choice." if setting == "sdpa_backends" else
+                            "'torch' for torch's own order."))
     return names
 
 
@@ -93,7 +96,7 @@ def check_attention_priority(value) -> str | tuple[str, ...]:
                          f"({', '.join(SDPA_BACKENDS)}), got {value!r}: 'auto' moves cuDNN's attention after the "
                          "others on GPUs where torch tries it first, 'torch' leaves torch's order alone.")
     if isinstance(value, Sequence) and value and all(isinstance(v, str) for v in value):
-        names = check_sdpa_backends(list(value))
+        names = check_sdpa_backends(list(value), setting="attention priority")
         if len(set(names)) != len(names):
             raise ValueError(f"attention priority names each backend once, got {names}.")
         return tuple(names)
