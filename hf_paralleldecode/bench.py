@@ -365,6 +365,7 @@ def _one_run(model, enc, spec: StrategySpec | None, max_new_tokens: int, timer: 
         budget_nodes=stats.get("budget_optional_nodes_per_step", 0.0) * budget_steps,
         # the batch policy: active rows of the steps of each shape (the plain ones did not speculate)
         shape_row_steps=stats.get("shape_row_steps", {}) if ours else {},
+        step_trace=stats.get("step_trace") if ours else None,
         # the decoding forwards' seconds with fewer rows than the batch (rows that finished early), and all of them
         tail_seconds=tail[0],
         decode_forward_seconds=tail[1],
@@ -398,6 +399,7 @@ def run_benchmark(
     chat_template: bool | None = None,
     sdpa_backends: list[str] | None = None,
     attention_priority: str | list[str] | None = None,
+    trace_steps: bool = False,
 ) -> dict:
     """Run AR and ``strategies`` interleaved; return (and optionally write) the report.
 
@@ -418,7 +420,13 @@ def run_benchmark(
 
     ``attention_priority``: the attention priority of the decoding entries (not stock's; ``None``: the process's,
     :func:`hf_paralleldecode.attention.set_attention_priority`, by default ``"auto"``: cuDNN's attention after the
-    others where torch tries it first). The report records it and torch's own order (``sdpa_priority_order``)."""
+    others where torch tries it first). The report records it and torch's own order (``sdpa_priority_order``).
+
+    ``trace_steps``: keep what the batch policy did on every step of every call of an entry that runs it
+    (``step_traces``: per repeat, per prompt batch, the call's ``stats["step_trace"]``: ``[shape, active rows,
+    committed tokens, seconds, setup]`` a step)."""
+    if not isinstance(trace_steps, bool):
+        raise ValueError(f"trace_steps takes True or False, got {trace_steps!r}.")
     sdpa_backends = check_sdpa_backends(sdpa_backends)
     priority = get_attention_priority() if attention_priority is None else check_attention_priority(attention_priority)
     if sampling is not None:
@@ -464,7 +472,7 @@ def run_benchmark(
             drafts = {lab: None for lab in labels}
             acc = {lab: dict(seconds=0.0, decode_seconds=0.0, tokens=0, decode_tokens=0, forwards=0,
                              forward_seconds=0.0, rows=0, row_forwards=0, budget_nodes=0.0, budget_steps=0,
-                             shape_row_steps={}, tail_seconds=0.0, decode_forward_seconds=0.0)
+                             shape_row_steps={}, tail_seconds=0.0, decode_forward_seconds=0.0, step_traces=[])
                    for lab in labels}
             for b, enc in enumerate(encoded):
                 ar_generated = None
@@ -486,6 +494,8 @@ def run_benchmark(
                     a["budget_steps"] += res["budget_steps"]
                     for shape, n in res["shape_row_steps"].items():
                         a["shape_row_steps"][shape] = a["shape_row_steps"].get(shape, 0) + n
+                    if res["step_trace"] is not None:
+                        a["step_traces"].append(res["step_trace"])
                     resolved[lab] = res["resolved"] or resolved[lab]
                     if res["draft"] is not None:
                         d = drafts[lab] = drafts[lab] or dict(accepted=[], seconds=0.0, forwards=0, tokens=0.0)
@@ -571,6 +581,8 @@ def run_benchmark(
                if all(r["shape_row_steps"] for r in runs) else {}),
             generated_tokens=med(r["tokens"] for r in runs),
             seconds=med(r["seconds"] for r in runs),
+            **({"step_traces": [r["step_traces"] for r in runs]}
+               if trace_steps and all(r["step_traces"] for r in runs) else {}),
         )
     if output_dir is not None:
         out = Path(output_dir)

@@ -204,6 +204,7 @@ def _bench(args) -> int:
             model, tokenizer, prompts, strategies, max_new_tokens=args.max_new_tokens,
             repeats=args.repeats, batch_size=b, output_dir=out, model_name=name, sampling=sampling,
             chat_template=args.chat_template, sdpa_backends=args.sdpa_backends, attention_priority=priority,
+            trace_steps=args.trace_steps,
         )
         reports.append(report)
         if len(sizes) > 1:
@@ -505,6 +506,9 @@ def _main(argv=None) -> int:
                          help="attention priority of the decoding entries (not stock's): auto (default: cuDNN's "
                               "attention after the others on GPUs where torch tries it first), torch (torch's order), "
                               "or backend names in the order to try them")
+    p_bench.add_argument("--trace-steps", action="store_true",
+                         help="keep every step the batch policy ran (shape, rows, committed tokens, seconds) in the "
+                              "JSON report (step_traces), to see where a default slower than a fixed shape lost")
     p_bench.set_defaults(func=_bench)
 
     p_sweep = sub.add_parser("sweep", help="grid of one strategy's settings vs AR (TPF and tokens/s heatmaps)")

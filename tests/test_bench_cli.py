@@ -47,6 +47,34 @@ def test_each_bench_entry_learns_only_from_its_own_calls():
     assert len({i for _, i in plain["times"]}) == 1 and 0 not in {i for _, i in plain["times"]}  # plain steps only
 
 
+def test_trace_steps_keeps_every_step_of_every_call_of_the_policy_entries_only():
+    """``trace_steps=True``: each entry that runs the batch policy reports, per repeat and per prompt batch, the call's
+    ``step_trace``; stock and a fixed shape (``adaptive=False``) have none; without it no entry has one."""
+    model = tiny_model("llama")
+    prompts = ["t5 t6 t7 t5 t6 t7 t5", "t9 t10 t9 t10 t9", "t4 t5 t4 t5 t4 t5"]
+    specs = [parse_strategy("prompt_lookup"), parse_strategy("prompt_lookup:adaptive=false")]
+    report = run_benchmark(model, word_tokenizer(), prompts, specs, max_new_tokens=10, repeats=2, batch_size=2,
+                           progress=False, trace_steps=True)
+    results = report["results"]
+    assert "step_traces" not in results["ar"] and "step_traces" not in results[specs[1].label]
+    traces = results[specs[0].label]["step_traces"]
+    assert len(traces) == 2 and all(len(per_repeat) == 2 for per_repeat in traces)  # 2 repeats x 2 prompt batches
+    rows = {}
+    for per_repeat in traces:
+        for trace in per_repeat:
+            assert trace and all(1 <= r <= 2 and c >= r and s > 0 and setup in (None, "first", "lag")
+                                 for _, r, c, s, setup in trace)
+            for shape, r, *_ in trace:
+                rows[shape] = rows.get(shape, 0) + r
+    assert rows == results[specs[0].label]["shape_row_steps"]  # the same steps the row-step counts sum
+    json.dumps(report)
+    plain = run_benchmark(model, word_tokenizer(), prompts[:2], specs[:1], max_new_tokens=4, repeats=1,
+                          batch_size=2, progress=False)
+    assert "step_traces" not in plain["results"][specs[0].label]
+    with pytest.raises(ValueError, match="trace_steps takes True or False"):
+        run_benchmark(None, None, ["t5"], [], trace_steps="yes")
+
+
 def test_sdpa_backends_restrict_attention_for_every_entry_stock_included_and_are_restored(monkeypatch):
     """``sdpa_backends`` holds for every run, stock generate's and the warm-up's included (so the entries stay
     comparable), the report records it, and torch's own choice is back afterwards."""

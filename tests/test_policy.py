@@ -359,6 +359,29 @@ def test_output_is_exact_whichever_shapes_the_policy_picks(monkeypatch, arch, ba
     assert len(out.stats["shape_steps"]) >= 2 and 0 < out.stats["speculated_row_share"] < 1
 
 
+@pytest.mark.parametrize("batch", [1, 3])
+def test_the_step_trace_records_every_step_in_order_with_its_rows_tokens_time_and_setup(monkeypatch, batch):
+    """``stats["step_trace"]``: one ``[shape, rows, committed tokens, seconds, setup]`` per step, in the order run,
+    summing to the shape counts; the call's first drafting step is its setup step (the drafter read the prompt)."""
+    model = enabled("llama")
+    _script(monkeypatch, [0, -1, -1, 1, 0])
+    ids, mask = prompts(batch)
+    decoding, settings = "speculative", dict(tree_budget=10, tree_width=2, tree_depth=4, drafter="deer")
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False, decoding=decoding,
+                         return_dict_in_generate=True, **_settings(model, decoding, settings))
+    torch.testing.assert_close(out.sequences, reference("llama", batch, 24), rtol=0, atol=0)
+    trace = out.stats["step_trace"]
+    assert [t[0] for t in trace[:3]] == [trace[0][0], "plain", "plain"] and trace[0][0] != "plain"
+    assert trace[0][4] == "first" and all(t[4] is None for t in trace if t[0] == "plain")
+    assert all(1 <= rows <= batch and rows <= tokens and seconds > 0 for _, rows, tokens, seconds, _ in trace)
+    assert all(tokens == rows for shape, rows, tokens, _, _ in trace if shape == "plain")  # a plain step: one a row
+    steps, row_steps = {}, {}
+    for shape, rows, *_ in trace:
+        steps[shape], row_steps[shape] = steps.get(shape, 0) + 1, row_steps.get(shape, 0) + rows
+    assert steps == out.stats["shape_steps"] and row_steps == out.stats["shape_row_steps"]
+    assert out.num_forward_passes > len(trace)  # (the prefill is a forward too)
+
+
 @pytest.mark.parametrize("kind", ["block_bidirectional", "deer"])
 def test_plain_steps_are_not_drafting_steps_in_the_drafters_statistics(monkeypatch, kind):
     # tau (accepted drafted tokens + 1 per drafting step), the acceptance by depth the bench derives from the

@@ -150,6 +150,9 @@ class BatchPolicy:
         self.used = [0] * n
         self.row_steps = [0] * n  # active rows of the steps of each shape (the fraction of rows that speculated)
         self._pending = None  # (shape index, bucket, start time) of the step being measured
+        self._observed = (0, 0.0)  # (active rows, committed tokens) of the step being measured (observe)
+        # each measured step of the call: [shape label, active rows, committed tokens, seconds, setup] (stats)
+        self.trace: list[list] = []
         self._charge = None  # the step being measured is a revisit paid from the budget: its estimated time
         self._fresh = False  # the step being measured is the plain step back after a while: it renews its window
         self._renewing = None  # (bucket, plain steps still owed) while the plain step's window is being renewed
@@ -487,6 +490,7 @@ class BatchPolicy:
                 self.squares[i] = decay * self.squares[i] + float((would * would).sum())
         elif pick != 0 and not self.shapes[pick].plain and not lagged and self.own[0][1] > 0:
             self._level(pick, host[1] if host is not None else verdict.num_accepted.tolist())
+        self._observed = (int(rows), float(total))
         self._done = True
 
     def _beyond(self, prefix: list[int], limit: int | None) -> None:
@@ -568,6 +572,7 @@ class BatchPolicy:
         self._drafted = self._drafted or drafts
         self._in_step = drafts
         self.steps.record(b, pick, seconds, setup=setup, bursts=pick == 0, fresh=self._fresh)
+        self.trace.append([shape.label, *self._observed, seconds, setup or None])
         if pick == self.plain:
             self.plain_since[b] = [0, 0.0]
         else:
@@ -605,7 +610,10 @@ class BatchPolicy:
         nodes = {} if self.nodes is None else self.nodes.stats
         return {**nodes, "shape_steps": {s.label: n for s, n in zip(self.shapes, self.used) if n},
                 "shape_row_steps": {s.label: n for s, n in zip(self.shapes, self.row_steps) if n},
-                "speculated_row_share": 1.0 - plain / total}
+                "speculated_row_share": 1.0 - plain / total,
+                # what each step was: [shape, active rows, committed tokens, seconds from this step's choice to the
+                # next one's, setup ("first": the drafter read the prompt; "lag": it caught up; None)]
+                "step_trace": [list(t) for t in self.trace]}
 
 
 def check_policy_settings(adaptive, max_step_tokens) -> None:
