@@ -3,7 +3,7 @@
 # (hf_paralleldecode.cost_twin; --model default-1b / default-trained-1b), beside stock (batched) generate and
 # transformers' prompt lookup in the same run. Writes docs/assets/twins/cpu/<section>/; render the page with
 # `python scripts/render_tables.py` afterwards. About 80 minutes on 2 cores; ONLY="b1 roofline" runs some sections
-# (batch64 batch b1 sample fp32 roofline sample03 large8m); REP (batch 1, greedy) and REPB (the rest) set the interleaved
+# (batch64 batch b1 sample fp32 fp32batch roofline sample03 large8m); REP (batch 1, greedy) and REPB (the rest) set the interleaved
 # repeats. The bf16 sections need oneDNN's bf16 kernel (a CPU with AVX-512): on an AVX2-only CPU every bf16 bench
 # warns at its start and measures torch's slow fallback instead (docs/troubleshooting.md).
 #   bash recipes/benchmarks/twins_cpu.sh
@@ -68,6 +68,18 @@ if want fp32; then
   done
   run "fp32/b16_default-trained-$SHAPE" $BENCH --model "default-trained-$SHAPE" --dtype float32 --prompts $P2 \
     --num-prompts 16 --batch-sizes 16 --repeats "$REPB" --strategies speculative $C4 $C2 $PLAIN
+fi
+# fp32 at 4 and 64 rows on the JF model: the policy against the shapes it chooses from, each run alone (the tree
+# only at 4 rows); on 2 cores of an AVX2-only CPU about 100 minutes, most of it the 64-row cell (its untimed warm-up
+# alone prefills 64 x ~100 fp32 tokens once per entry). MODELS="default-trained default" adds the base model
+if want fp32batch; then
+  mkdir -p "$OUT/fp32"
+  for m in ${MODELS:-default-trained}; do
+    run "fp32/b64_$m-$SHAPE" $BENCH --model "$m-$SHAPE" --dtype float32 --prompts $P2 --num-prompts 64 \
+      --batch-sizes 64 --repeats "$REPB" --strategies speculative $C4 $C2 $PLAIN
+    run "fp32/b4_$m-$SHAPE" $BENCH --model "$m-$SHAPE" --dtype float32 --prompts $P2 --num-prompts "$NB1" \
+      --batch-sizes 4 --repeats "$REPB" --strategies speculative $TREE $C4 $C2
+  done
 fi
 for m in default-trained default; do
   want sample03 && run "sample_t0.3_$m-$SHAPE" $BENCH --model "$m-$SHAPE" --dtype bfloat16 --prompts $P \
