@@ -81,7 +81,7 @@ sec() { local name=$1 limit=$2; shift 2
         tail -n 12 "$RES/$name.log"; pack; }
 bench() { local name=$1 limit=$2 model=$3 n=$4; shift 4
           sec "$name" "$limit" "$CLI bench --model $model --dtype bfloat16 $DEV --prompts $P2 --num-prompts $n \
-            --max-new-tokens $TOK --repeats $REP --output-dir $RES/$name $*"; }
+            --max-new-tokens $TOK --repeats $REP --trace-steps --output-dir $RES/$name $*"; }  # (every policy step kept)
 # Sections in priority order, sized for one call of a 15-minute lease (timeout_s 600): on an H200 a 1B twin's step is
 # 13-25 ms of host-bound work and the bench runs an untimed warm-up pass per strategy, so a batch-1 item takes ~1.5 s.
 # What the call's limit cuts is the end of the list; its results so far are packed.

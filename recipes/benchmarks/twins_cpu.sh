@@ -12,7 +12,7 @@ cd "$(dirname "$0")/../.."
 OUT=${OUT_DIR:-docs/assets/twins/cpu}; mkdir -p "$OUT"
 SHAPE=${SHAPE:-1b}; NB1=${NB1:-8}; NB16=${NB16:-32}; NB=${NB:-64}; TOK=${TOK:-64}; REP=${REP:-2}; REPB=${REPB:-1}
 P=hf_paralleldecode/assets/prompts/stdlib_test_midfile.jsonl; P2="$P hf_paralleldecode/assets/prompts/stdlib_test.jsonl"
-BENCH="python3 -m hf_paralleldecode.cli bench --threads 2 --max-new-tokens $TOK"
+BENCH="python3 -m hf_paralleldecode.cli bench --threads 2 --max-new-tokens $TOK --trace-steps"  # (every policy step kept)
 # the shapes the batch policy chooses from, each run alone (the policy's regret is against the best of them)
 TREE="speculative:adaptive=false"
 C8="speculative:adaptive=false,tree_width=1,tree_depth=8,tree_budget=8,context_matches=0"
