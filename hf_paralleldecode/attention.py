@@ -47,9 +47,10 @@ _probed: set[str] = set()
 _lock = threading.Lock()
 
 
-def check_sdpa_backends(names, setting: str = "sdpa_backends") -> list[str] | None:
-    """``names`` as a list after checking them (``None``: torch's own choice); ``ValueError`` naming the choices
-    and the ``setting`` they were given to."""
+def check_sdpa_backends(names, setting: str = "sdpa_backends",
+                        torch_choice: str = "leave it unset for torch's own choice") -> list[str] | None:
+    """``names`` as a list after checking them (``None``: torch's own choice); ``ValueError`` naming the choices,
+    the ``setting`` they were given to and how that setting asks for torch's choice (``torch_choice``)."""
     if names is None:
         return None
     names = [names] if isinstance(names, str) else list(names)
@@ -58,8 +59,7 @@ def check_sdpa_backends(names, setting: str = "sdpa_backends") -> list[str] | No
         raise ValueError(f"{setting} takes one or more of {sorted(SDPA_BACKENDS)}, got {names}"
                          f"{f' (unknown: {unknown})' if unknown else ''}: name the backends "
                          "scaled_dot_product_attention may use (e.g. flash efficient math to keep cuDNN's out), or "
-                         + ("leave it unset for torch's own choice." if setting == "sdpa_backends" else
-                            "'torch' for torch's own order."))
+                         f"{torch_choice}.")
     return names
 
 
@@ -96,7 +96,8 @@ def check_attention_priority(value) -> str | tuple[str, ...]:
                          f"({', '.join(SDPA_BACKENDS)}), got {value!r}: 'auto' moves cuDNN's attention after the "
                          "others on GPUs where torch tries it first, 'torch' leaves torch's order alone.")
     if isinstance(value, Sequence) and value and all(isinstance(v, str) for v in value):
-        names = check_sdpa_backends(list(value), setting="attention priority")
+        names = check_sdpa_backends(list(value), setting="attention priority",
+                                    torch_choice="'torch' for torch's own order")
         if len(set(names)) != len(names):
             raise ValueError(f"attention priority names each backend once, got {names}.")
         return tuple(names)

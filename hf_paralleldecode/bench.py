@@ -494,7 +494,7 @@ def run_benchmark(
                     a["budget_steps"] += res["budget_steps"]
                     for shape, n in res["shape_row_steps"].items():
                         a["shape_row_steps"][shape] = a["shape_row_steps"].get(shape, 0) + n
-                    if res["step_trace"] is not None:
+                    if trace_steps and res["step_trace"] is not None:
                         a["step_traces"].append(res["step_trace"])
                     resolved[lab] = res["resolved"] or resolved[lab]
                     if res["draft"] is not None:
@@ -582,7 +582,7 @@ def run_benchmark(
             generated_tokens=med(r["tokens"] for r in runs),
             seconds=med(r["seconds"] for r in runs),
             **({"step_traces": [r["step_traces"] for r in runs]}
-               if trace_steps and all(r["step_traces"] for r in runs) else {}),
+               if all(r["step_traces"] for r in runs) else {}),
         )
     if output_dir is not None:
         out = Path(output_dir)
