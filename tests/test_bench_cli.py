@@ -441,3 +441,37 @@ def test_the_fast_matmul_probe_answers_for_each_dtype_and_survives_a_missing_tor
         assert hardware.cpu_has_fast_matmul(torch.bfloat16) is True  # unknown: no warning on a guess
     finally:
         hardware.cpu_has_fast_matmul.cache_clear()
+
+
+def test_the_modeled_cost_script_runs_the_bench_on_a_forward_grid(tmp_path, monkeypatch):
+    """``scripts/modeled_cost.py``: each forward of the target costs what the grid says for its rows x tokens per row
+    (linear between points, along the last segment beyond them, between row counts), on the process's clock, so the
+    bench, its forward timers and the batch policy all read the modeled time; host work stays real."""
+    import importlib.util
+    import time
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "modeled_cost.py"
+    spec = importlib.util.spec_from_file_location("modeled_cost", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    points = [dict(batch=r, tokens_per_row=k, ms=ms) for r, k, ms in
+              [(1, 1, 100), (1, 5, 300), (1, 128, 4000), (4, 1, 200), (4, 5, 1000), (4, 128, 9000)]]
+    grid = script.ForwardGrid(points)
+    assert grid(1, 1) == pytest.approx(0.1) and grid(1, 3) == pytest.approx(0.2)  # between points
+    assert grid(1, 251) == pytest.approx(4.0 + 3.7 * 123 / 123)  # beyond the last, along its last segment
+    assert grid(2, 1) == pytest.approx(0.1 + 0.1 / 3)  # between row counts
+    assert grid(16, 5) == pytest.approx(1.0) and grid(1, 0) == pytest.approx(0.1)  # outside: the nearest
+    with pytest.raises(ValueError, match="two token counts"):
+        script.ForwardGrid([dict(batch=1, tokens_per_row=1, ms=1.0)])
+    flat = [dict(batch=r, tokens_per_row=k, ms=2000.0) for r in (1, 4) for k in (1, 128)]  # every forward: 2 s
+    (tmp_path / "grid.json").write_text(json.dumps(dict(points=flat)))
+    monkeypatch.setattr(time, "perf_counter", time.perf_counter)  # (restored after the test)
+    script.main(["bench", "--model", "default", "--grid", str(tmp_path / "grid.json"), "--num-prompts", "2",
+                 "--batch-size", "2", "--max-new-tokens", "4", "--strategies", "speculative:max_step_tokens=1",
+                 "--output-dir", str(tmp_path / "out")])
+    report = json.loads((tmp_path / "out" / "bench.json").read_text())
+    for entry in report["results"].values():  # 4 forwards of 2 s each, the prompt's included; 2 rows x 4 tokens
+        assert entry["seconds"] == pytest.approx(8.0, rel=0.05)
+        assert entry["decode_tokens_per_second"] == pytest.approx(6 / 6.0, rel=0.05)  # 3 decode forwards, 6 tokens
+    assert "step_traces" in report["results"]["speculative(max_step_tokens=1)"]

@@ -207,14 +207,15 @@ def test_a_models_calls_are_timed_on_its_memorys_clock():
 # ---- the tuning --------------------------------------------------------------------------------------------------
 def test_the_tuning_is_one_frozen_documented_and_checked_object():
     tuning = PolicyTuning()
-    assert (tuning.decay, tuning.prior, tuning.min_samples, tuning.window, tuning.max_gap, tuning.explore_share,
-            tuning.margin_rows, tuning.margin, tuning.explore_margin, tuning.tree_margin, tuning.decisive,
-            tuning.stale, tuning.explore_after) == (0.98, 1.0, 2, 8, 256, 0.01, 8, 0.05, 0.15, 0.05, 2.0, 1.5, 3)
+    assert (tuning.decay, tuning.step_decay, tuning.prior, tuning.min_samples, tuning.window, tuning.max_gap,
+            tuning.explore_share, tuning.margin_rows, tuning.margin, tuning.explore_margin, tuning.tree_margin,
+            tuning.decisive, tuning.stale, tuning.explore_after) == (0.98, 0.9, 1.0, 2, 8, 256, 0.01, 8, 0.05, 0.15,
+                                                                     0.05, 2.0, 1.5, 3)
     assert all(f.metadata.get("help") for f in fields(PolicyTuning))
     assert BatchPolicy(shapes_from(1, 4, 4, False)).tuning == tuning
     with pytest.raises(FrozenInstanceError):
         tuning.margin = 0.3
-    for bad, name in [(dict(window=1), "window"), (dict(decay=0.0), "decay"), (dict(margin=-0.1), "margin"),
+    for bad, name in [(dict(window=1), "window"), (dict(decay=0.0), "decay"), (dict(step_decay=1.5), "step_decay"), (dict(margin=-0.1), "margin"),
                       (dict(min_samples=0), "min_samples"), (dict(margin_rows=True), "margin_rows"),
                       (dict(stale=0.5), "stale"), (dict(margin=0.2), "explore_margin"),
                       (dict(explore_after=-1), "explore_after"), (dict(explore_after=1.5), "explore_after")]:

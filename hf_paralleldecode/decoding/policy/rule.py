@@ -36,8 +36,11 @@ The rule
       first steps, the least predictable text. A chain's step is exact for shorter chains of its drafter and, for a
       deeper one, on every row that stopped short of its depth; on the rows that accepted its whole depth the deeper
       chain is credited what it was seen to commit beyond that depth on such rows (:meth:`BatchPolicy._beyond`).
+      The sums decay per row-step, and by at least ``step_decay`` a step (:meth:`BatchPolicy.decay`): a large batch's
+      step outweighs the steps before it, but not the whole history.
     * Revisits. While another shape is faster, the configured tree is revisited (it feeds the paired counts, and the
-      text may change) at doubling gaps (``explore_every`` steps, then twice that, up to ``max_gap``) and only when
+      text may change), and while the plain step is the fastest, the speculating shape predicted to lose least (the
+      tree or a chain: at a large batch a tree step may cost a dozen plain steps), at doubling gaps (``explore_every`` steps, then twice that, up to ``max_gap``) and only when
       a revisit's predicted loss, its time minus the time the best shape takes to commit as many tokens, is covered
       by an exploration budget: ``explore_share`` of the time of the steps since the last visit. The revisit then
       pays what it took, not its estimate: a drafter that reads the whole prompt on the call's first drafting step,
@@ -323,25 +326,31 @@ class BatchPolicy:
             # time minus the time the best shape takes to commit its tokens; each revisit doubles the gap
             # (a time resting on fewer than three steps may hold a warm-up step: the tree is then revisited at its
             # gaps alone, or one slow step could lock it out for good, unless even its floor loses)
-            revisit = False
-            if best != 0 and 0 in rate and self.since_tree >= self.gap and not early:
+            revisit, target = False, 0
+            # what a revisit may take: the configured tree; while the plain step wins, also the speculating shape
+            # that loses least (at a large batch the tree may cost a dozen plain steps, and a chain measured on a
+            # call's first steps, the least predictable text, is never re-measured otherwise: the base model's 1B
+            # twin at 64 rows in fp32 ran plain steps beside a chain of 2 alone 1.07x faster)
+            targets = [i for i in rate if i != self.plain] if best == self.plain else [0] if 0 in rate else []
+            if best != 0 and targets and self.since_tree >= self.gap and not early:
                 others = {i: r for i, r in rate.items() if i != 0}
-                if steps.runs(b, 0) < 3 and not inherited and self.hopeful(b, rows, 0, others):
+                if 0 in rate and steps.runs(b, 0) < 3 and not inherited and self.hopeful(b, rows, 0, others):
                     # (not in a bucket a shrinking batch passes through, where nothing is measured: the 8.4M JF
                     # model at 16 rows ran its tree at 14, 9, 5 and 4 rows at a call's end, 40-80 ms a step)
                     revisit = True
-                elif self.relative_tokens(0) / (fast := steps.fastest(b, 0)) * self.tail_factor(b, rows, 0, fast) \
-                        >= tuning.decisive * self.threshold(b, rows, others):
+                elif 0 in rate and self.relative_tokens(0) / (fast := steps.fastest(b, 0)) \
+                        * self.tail_factor(b, rows, 0, fast) >= tuning.decisive * self.threshold(b, rows, others):
                     revisit = True  # it has been fast enough to win decisively here: re-measure it at its gaps
                 else:
-                    loss = times[0] * (1.0 - rate[0] / rate[best])
-                    revisit = self.budget >= loss
+                    loss = {i: times[i] * max(1.0 - rate[i] / rate[best], 0.0) for i in targets}  # (margins)
+                    target = min(loss, key=loss.get)
+                    revisit = self.budget >= loss[target]
                     if revisit:
-                        self.budget -= loss
-                        charge = times[0]  # what close() charges beyond: the revisit's measured time is what it cost
+                        self.budget -= loss[target]
+                        charge = times[target]  # what close() charges beyond: the revisit's measured time is its cost
                 if revisit:
                     self.gap = min(2 * self.gap, tuning.max_gap)
-            pick = 0 if revisit else best
+            pick = target if revisit else best
             if not revisit and self._refresh(b, rows, times, rate, pick, inherited):
                 pick = self.plain
         # from margin_rows rows, the plain step back in a bucket after explore_every steps away (a refresh, or its
@@ -351,13 +360,14 @@ class BatchPolicy:
         if fresh:
             self._renewing = (b, tuning.min_samples - 1)
         self._charge = charge
-        return self._start(pick, rows, b, fresh)
+        return self._start(pick, rows, b, fresh, revisit=charge is not None)
 
-    def _start(self, pick: int, rows: int, b: int, fresh: bool = False) -> int:
+    def _start(self, pick: int, rows: int, b: int, fresh: bool = False, revisit: bool = False) -> int:
         """Start the step of shape ``pick`` (the bookkeeping of :meth:`choose`); ``fresh``: a step that renews the
-        plain step's window."""
+        plain step's window; ``revisit``: a revisit paid from the budget (the gap counts from it, as from the tree's
+        steps)."""
         self._fresh = fresh
-        self.since_tree = 0 if pick == 0 else self.since_tree + 1
+        self.since_tree = 0 if pick == 0 or revisit else self.since_tree + 1
         self.used[pick] += 1
         self.row_steps[pick] += int(rows)
         self._pending = (pick, b, self.clock())
@@ -447,11 +457,12 @@ class BatchPolicy:
     def lagged(self) -> None:
         """The step being run drafted from a drafter that skipped committed tokens (a capped catch-up after a run of
         plain steps: a hole in its context). Its drafts are worse than the shape's in step, and its drafter forward
-        also caught up: once the configured tree has run, such a step does not feed the paired token counts (nor
-        their level), and its time is a setup step's, like the call's first drafting step
-        (:meth:`~.times.StepTimes.record`). On the 8.4M JF model at 32 rows the tree's revisits after plain runs
-        committed 5 tokens a row-step where it commits 6.6 in step, which valued the plain step 1.3x over every
-        speculating shape."""
+        also caught up: once the configured tree has run, such a step feeds the paired token counts (and their
+        level) only when it commits more than the shape is valued at (the hole held it back, if anything), and its
+        time is a setup step's, like the call's first drafting step (:meth:`~.times.StepTimes.record`). On the 8.4M
+        JF model at 32 rows the tree's revisits after plain runs committed 5 tokens a row-step where it commits 6.6
+        in step, which valued the plain step 1.3x over every speculating shape; left out whatever they committed,
+        the JF model's 1B twin at batch 1 lost every revisit and ran plain steps beside a tree alone 1.6x faster."""
         self._lagged = True
 
     def observe(self, tree, verdict) -> None:
@@ -461,12 +472,15 @@ class BatchPolicy:
             self.nodes.learn(tree, verdict)
         if self._pending is None:
             return
-        decay = self.tuning.decay
         pick = self._pending[0]
         host = getattr(verdict, "host", None)
         rows = len(host[1]) if host is not None else verdict.num_accepted.numel()
         total = sum(host[1]) + rows if host is not None else float((verdict.num_accepted + 1).sum())
-        lagged = self._lagged and self.own[0][1] > 0  # (a first step of the tree counts: nothing else is known)
+        decay = self.decay(rows)
+        # a lagged step's drafts had a hole in their context: fewer tokens than the shape's in step are not counted
+        # (the hole may explain them), more are (a bound the shape beats in step). A first step of the tree counts:
+        # nothing else is known
+        lagged = self._lagged and self.own[0][1] > 0 and total <= rows * self.tokens[pick] / self.paired_rows
         own = self.own[pick]
         own[0] = decay * own[0] + total
         own[1] = decay * own[1] + rows
@@ -474,7 +488,7 @@ class BatchPolicy:
             committed = verdict.num_accepted + 1
             prefix = first_child_prefix(tree, verdict)
             context = None  # the first context match's path (tree.context_path), for context chains
-            self._beyond(prefix.tolist(), None)
+            self._beyond(prefix.tolist(), None, decay)
             self.tokens[0] = decay * self.tokens[0] + float(committed.sum())
             self.squares[0] = decay * self.squares[0] + float((committed * committed).sum())
             self.paired_rows = decay * self.paired_rows + committed.numel()
@@ -489,16 +503,20 @@ class BatchPolicy:
                 self.tokens[i] = decay * self.tokens[i] + float(would.sum())
                 self.squares[i] = decay * self.squares[i] + float((would * would).sum())
         elif pick != 0 and not self.shapes[pick].plain and not lagged and self.own[0][1] > 0:
-            self._level(pick, host[1] if host is not None else verdict.num_accepted.tolist())
+            self._level(pick, host[1] if host is not None else verdict.num_accepted.tolist(), decay)
         self._observed = (int(rows), float(total))
         self._done = True
 
-    def _beyond(self, prefix: list[int], limit: int | None) -> None:
+    def decay(self, rows: int) -> float:
+        """What a step of ``rows`` active rows scales the decayed token sums by: ``decay`` per row-step, at least
+        ``step_decay`` (a step's rows share one stretch of text; :class:`~.tuning.PolicyTuning`)."""
+        return max(self.tuning.decay ** max(int(rows), 1), self.tuning.step_decay)
+
+    def _beyond(self, prefix: list[int], limit: int | None, decay: float) -> None:
         """Learn, per pair of drafter chains (shallower ``j``, deeper ``i``), what chain ``i`` commits beyond ``j``'s
         depth on rows where ``j`` accepted its whole depth, from rows whose accepted prefix along the drafter's chain
         is ``prefix`` (exact up to ``limit`` levels: a chain's own step, whose rows stop at its depth; ``None``: a step
-        of the configured tree, exact at any depth)."""
-        decay = self.tuning.decay
+        of the configured tree, exact at any depth); ``decay``: the step's (:meth:`decay`)."""
         for j in self.chains:
             dj = self.shapes[j].depth
             full = [p for p in prefix if p >= dj]
@@ -510,7 +528,7 @@ class BatchPolicy:
                 kept[0] = decay * kept[0] + float(sum(min(p, di) - dj for p in full))
                 kept[1] = decay * kept[1] + len(full)
 
-    def _level(self, pick: int, accepted: list[int]) -> None:
+    def _level(self, pick: int, accepted: list[int], decay: float) -> None:
         """A step of a speculating shape other than the configured tree, whose rows accepted ``accepted`` drafted
         tokens: one more paired step. A chain's step says exactly what every shorter chain of its kind would have
         committed on it (its accepted prefix, cut to their depth) and the plain step one token; a deeper chain of its
@@ -525,7 +543,7 @@ class BatchPolicy:
         there alone valued every speculating shape 20-30% low against the plain step, and deeper chains low against
         shorter ones, for good: the base model's 1B twin at 16 rows ran plain steps at 0.98x stock beside a chain of 2
         alone at 1.06x."""
-        decay, paired = self.tuning.decay, self.paired_rows
+        paired = self.paired_rows
         me = self.shapes[pick]
         chain = me.width == 1 and not me.context  # (its accepted prefix is every shorter chain's of its kind)
         rows = len(accepted)
@@ -535,7 +553,7 @@ class BatchPolicy:
         scale = (sum(accepted) + rows) / rows / expected
         mine = pick in self.chains
         if mine:
-            self._beyond(accepted, me.depth)
+            self._beyond(accepted, me.depth, decay)
         for i, shape in enumerate(self.shapes):
             deeper = self.beyond.get((pick, i), (0.0, 0.0))  # (kept for pairs of drafter chains only)
             if shape.plain:
@@ -578,7 +596,8 @@ class BatchPolicy:
         else:
             since = self.plain_since.setdefault(b, [0, 0.0])
             since[0], since[1] = since[0] + 1, since[1] + seconds
-        if pick != 0:  # the exploration budget grows with the time spent away from the configured tree
+        if self._charge is None and pick != 0:
+            # the exploration budget grows with the time spent away from the configured tree and from revisits
             self.budget += self.tuning.explore_share * seconds
         elif self._charge is not None:
             # a revisit's loss was reckoned with the tree's estimated time; it pays what the step took: a drafter

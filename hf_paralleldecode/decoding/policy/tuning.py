@@ -22,7 +22,13 @@ class PolicyTuning:
     """
 
     decay: float = field(default=0.98, metadata={"help": (
-        "Decayed token sums: each new step scales the old ones by this (1.0: every step counts alike).")})
+        "Decayed token sums, per row-step: a step of b active rows scales the old sums by decay ** b, and by no less "
+        "than step_decay (1.0: every row-step counts alike).")})
+    step_decay: float = field(default=0.9, metadata={"help": (
+        "The least a step scales the decayed token sums by, however many rows it holds: a step's rows share one "
+        "stretch of text, so a large batch's step is not worth a whole history (the JF model's 1B twin at 64 rows "
+        "in fp32, decay 0.98 a step: two steps of a chain of 4 at 4.0 tokens a row-step left it valued at 3.1 "
+        "from the steps before, and the plain step ran the rest of the call; 0.87x a chain of 2 alone).")})
     prior: float = field(default=1.0, metadata={"help": (
         "Row-steps the prior of the paired token sums is worth: one in which the configured tree commits its whole "
         "depth + 1 and every other shape one token, so one unlucky first step does not lock the tree out and the "
@@ -80,6 +86,8 @@ class PolicyTuning:
                 bad(f.name, "a number >= 0")
         if not 0 < self.decay <= 1:
             bad("decay", "in (0, 1]")
+        if not 0 < self.step_decay <= 1:
+            bad("step_decay", "in (0, 1]")
         if self.prior <= 0:
             bad("prior", "> 0")
         if self.window < self.min_samples:
