@@ -90,6 +90,7 @@ def install(model, grid: ForwardGrid) -> None:
 def measure(args) -> None:
     import torch
 
+    from hf_paralleldecode.compat import cache_kwargs, output_cache
     from hf_paralleldecode.twins import embedded_twin, twin_of
 
     torch.set_num_threads(args.threads)
@@ -101,13 +102,13 @@ def measure(args) -> None:
         for rows in ROWS:
             ids = torch.randint(100, 1000, (rows, CONTEXT))
             t0 = _REAL()
-            cache = model(input_ids=ids, use_cache=True).past_key_values
+            cache = output_cache(model(input_ids=ids, use_cache=True))
             points.append(dict(batch=rows, tokens_per_row=CONTEXT, ms=(_REAL() - t0) * 1000))
             for k in TOKENS:
                 times = []
                 for _ in range(args.repeats):
                     t0 = _REAL()
-                    model(input_ids=ids[:, :k], past_key_values=cache, use_cache=True)
+                    model(input_ids=ids[:, :k], use_cache=True, **cache_kwargs(model, cache))
                     times.append((_REAL() - t0) * 1000)
                     cache.crop(-k)
                 points.append(dict(batch=rows, tokens_per_row=k, ms=sorted(times)[len(times) // 2]))
