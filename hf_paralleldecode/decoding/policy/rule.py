@@ -40,7 +40,8 @@ The rule
       step outweighs the steps before it, but not the whole history.
     * Revisits. While another shape is faster, the configured tree is revisited (it feeds the paired counts, and the
       text may change), and while the plain step is the fastest, the speculating shape predicted to lose least (the
-      tree or a chain: at a large batch a tree step may cost a dozen plain steps), at doubling gaps (``explore_every`` steps, then twice that, up to ``max_gap``) and only when
+      tree or a chain: at a large batch a tree step may cost a dozen plain steps), at doubling gaps
+      (``explore_every`` steps, then twice that, up to ``max_gap``) and only when
       a revisit's predicted loss, its time minus the time the best shape takes to commit as many tokens, is covered
       by an exploration budget: ``explore_share`` of the time of the steps since the last visit. The revisit then
       pays what it took, not its estimate: a drafter that reads the whole prompt on the call's first drafting step,
@@ -360,14 +361,14 @@ class BatchPolicy:
         if fresh:
             self._renewing = (b, tuning.min_samples - 1)
         self._charge = charge
-        return self._start(pick, rows, b, fresh, revisit=charge is not None)
+        return self._start(pick, rows, b, fresh)
 
-    def _start(self, pick: int, rows: int, b: int, fresh: bool = False, revisit: bool = False) -> int:
+    def _start(self, pick: int, rows: int, b: int, fresh: bool = False) -> int:
         """Start the step of shape ``pick`` (the bookkeeping of :meth:`choose`); ``fresh``: a step that renews the
-        plain step's window; ``revisit``: a revisit paid from the budget (the gap counts from it, as from the tree's
-        steps)."""
+        plain step's window. The gap to the next revisit counts from a tree step or a revisit paid from the budget
+        (``_charge``, set by :meth:`choose`)."""
         self._fresh = fresh
-        self.since_tree = 0 if pick == 0 or revisit else self.since_tree + 1
+        self.since_tree = 0 if pick == 0 or self._charge is not None else self.since_tree + 1
         self.used[pick] += 1
         self.row_steps[pick] += int(rows)
         self._pending = (pick, b, self.clock())
