@@ -71,10 +71,13 @@ if want fp32; then
 fi
 # fp32 at 4 and 64 rows on the JF model: the policy against the shapes it chooses from, each run alone (the tree
 # only at 4 rows); on 2 cores of an AVX2-only CPU about 100 minutes, most of it the 64-row cell (its untimed warm-up
-# alone prefills 64 x ~100 fp32 tokens once per entry). MODELS="default-trained default" adds the base model
+# alone prefills 64 x ~100 fp32 tokens once per entry). MODELS="default-trained default" adds the base model, with
+# its 16-row cell (the JF model's is in section fp32; about 40 minutes more)
 if want fp32batch; then
   mkdir -p "$OUT/fp32"
   for m in ${MODELS:-default-trained}; do
+    [ "$m" = default-trained ] || run "fp32/b16_$m-$SHAPE" $BENCH --model "$m-$SHAPE" --dtype float32 --prompts $P2 \
+      --num-prompts 16 --batch-sizes 16 --repeats "$REPB" --strategies speculative $C4 $C2 $PLAIN
     run "fp32/b64_$m-$SHAPE" $BENCH --model "$m-$SHAPE" --dtype float32 --prompts $P2 --num-prompts 64 \
       --batch-sizes 64 --repeats "$REPB" --strategies speculative $C4 $C2 $PLAIN
     run "fp32/b4_$m-$SHAPE" $BENCH --model "$m-$SHAPE" --dtype float32 --prompts $P2 --num-prompts "$NB1" \
