@@ -90,7 +90,7 @@ def install(model, grid: ForwardGrid) -> None:
 def measure(args) -> None:
     import torch
 
-    from hf_paralleldecode.compat import cache_kwargs, output_cache
+    from hf_paralleldecode.decoding.policy import time_forwards
     from hf_paralleldecode.twins import embedded_twin, twin_of
 
     torch.set_num_threads(args.threads)
@@ -98,21 +98,14 @@ def measure(args) -> None:
         raise ValueError(f"--model takes a cost twin's name (default-1b, default-trained-1b, ...), got {args.model!r}.")
     model = embedded_twin(*twin_of(args.model), dtype=getattr(torch, args.dtype), device="cpu")
     points = []
-    with torch.no_grad():
-        for rows in ROWS:
-            ids = torch.randint(100, 1000, (rows, CONTEXT))
-            t0 = _REAL()
-            cache = output_cache(model(input_ids=ids, use_cache=True))
-            points.append(dict(batch=rows, tokens_per_row=CONTEXT, ms=(_REAL() - t0) * 1000))
-            for k in TOKENS:
-                times = []
-                for _ in range(args.repeats):
-                    t0 = _REAL()
-                    model(input_ids=ids[:, :k], use_cache=True, **cache_kwargs(model, cache))
-                    times.append((_REAL() - t0) * 1000)
-                    cache.crop(-k)
-                points.append(dict(batch=rows, tokens_per_row=k, ms=sorted(times)[len(times) // 2]))
-                print(points[-1], flush=True)
+    for rows in ROWS:
+        prefill = time_forwards(model, context=0, tokens=(CONTEXT,), batch=rows, repeats=1, warmups=0)
+        # the forwards after the prefix, on one cache cropped back to it after each
+        after = time_forwards(model, context=CONTEXT, tokens=TOKENS, batch=rows, repeats=args.repeats, warmups=0,
+                              reuse_prefix=True)
+        for k, seconds in prefill + after:
+            points.append(dict(batch=rows, tokens_per_row=k, ms=seconds * 1000))
+            print(points[-1], flush=True)
     Path(args.output).write_text(json.dumps(dict(model=args.model, dtype=args.dtype, context=CONTEXT,
                                                  threads=args.threads, repeats=args.repeats, torch=torch.__version__,
                                                  points=points), indent=1) + "\n")

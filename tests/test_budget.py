@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from models import enabled, prompts
+from models import ARCHITECTURES, FakeClock, ForwardRecorder, enabled, prompts
 
-from hf_paralleldecode.decoding.policy import CostAwareBudget, ForwardCost, forward_cost, memory_of
+from hf_paralleldecode.decoding.policy import CostAwareBudget, ForwardCost, forward_cost, memory_of, time_forwards
 from hf_paralleldecode.engine.tree import pack_trees
 from hf_paralleldecode.engine.verify import Verdict, walk_tree
 
@@ -34,6 +34,70 @@ def test_forward_cost_is_measured_once_per_model():
     first = forward_cost(model, repeats=1)
     assert [n for n, _ in first.points][:3] == [1, 2, 4] and all(s > 0 for _, s in first.points)
     assert forward_cost(model).points == first.points  # cached: same shape, fresh level
+
+
+def _recording_logits(model):
+    """Record every forward's fed/cached lengths (ForwardRecorder) and its logits."""
+    recorder = ForwardRecorder(model)
+    inner, recorder.logits = model.forward, []
+
+    def forward(*args, **kwargs):
+        out = inner(*args, **kwargs)
+        recorder.logits.append(out.logits.detach().clone())
+        return out
+
+    model.forward = forward
+    return recorder
+
+
+@pytest.mark.parametrize("arch", [a for a in ARCHITECTURES if a != "gpt2"])
+def test_time_forwards_reusing_the_prefix_runs_the_same_forwards_on_one_cropped_cache(arch):
+    model = enabled(arch)
+    runs = {}
+    for reuse in (False, True):
+        recorder = _recording_logits(model)
+        try:
+            points = time_forwards(model, context=6, repeats=2, tokens=(1, 3), batch=2, warmups=1,
+                                   reuse_prefix=reuse)
+        finally:
+            recorder.restore()
+        assert [n for n, _ in points] == [1, 3] and all(s > 0 for _, s in points)
+        prefills = [c for c in recorder.calls if c["cached"] == 0]
+        timed = [(c, logits) for c, logits in zip(recorder.calls, recorder.logits) if c["cached"] != 0]
+        assert all(c["fed"] == 6 for c in prefills) and len(prefills) == (1 if reuse else 6)
+        # every timed forward sees exactly the prefix: the crop takes the cache back to it after each
+        assert [(c["fed"], c["cached"]) for c, _ in timed] == [(1, 6)] * 3 + [(3, 6)] * 3
+        runs[reuse] = [logits for _, logits in timed]
+    for fresh, reused in zip(runs[False], runs[True]):  # the same tokens after the same prefix: the same logits
+        torch.testing.assert_close(reused, fresh)
+
+
+def test_time_forwards_times_prefills_from_an_empty_cache_on_the_given_clock():
+    model = enabled("llama")
+    clock = FakeClock()
+    hook = model.register_forward_pre_hook(lambda module, args, kwargs: clock.advance(0.5), with_kwargs=True)
+    recorder = ForwardRecorder(model)
+    try:
+        points = time_forwards(model, context=0, repeats=3, tokens=(4, 8), warmups=0, clock=clock)
+    finally:
+        recorder.restore()
+        hook.remove()
+    assert points == [(4, 0.5), (8, 0.5)]  # one forward each, read on the clock given
+    assert [(c["fed"], c["cached"]) for c in recorder.calls] == [(4, 0)] * 3 + [(8, 0)] * 3
+
+
+def test_time_forwards_refuses_what_it_cannot_time():
+    model = enabled("llama")
+    for bad in (dict(context=-1), dict(batch=0), dict(repeats=0), dict(warmups=-1), dict(tokens=()),
+                dict(tokens=(0, 2))):
+        with pytest.raises(ValueError, match="time_forwards needs"):
+            time_forwards(model, **bad)
+    model._is_stateful = True  # transformers' mark of a recurrent state (Mamba, RWKV, linear attention)
+    try:
+        with pytest.raises(ValueError, match="reuse_prefix=False"):
+            time_forwards(model, context=4, tokens=(1, 2), repeats=1, reuse_prefix=True)
+    finally:
+        del model._is_stateful
 
 
 def test_acceptance_model_counts_fresh_nodes_by_source_rank_and_depth():

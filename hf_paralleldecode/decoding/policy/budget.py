@@ -39,7 +39,7 @@ import torch
 from ...attention import decoding_attention, get_attention_priority
 from .memory import memory_of
 
-__all__ = ["ForwardCost", "AcceptanceModel", "CostAwareBudget", "forward_cost"]
+__all__ = ["ForwardCost", "AcceptanceModel", "CostAwareBudget", "forward_cost", "time_forwards"]
 
 #: token counts the forward is timed at (per forward, all rows together); linear in between and beyond
 MEASURED_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -86,6 +86,65 @@ class ForwardCost:
 
 
 @torch.no_grad()
+def time_forwards(model, context: int = 64, repeats: int = 5, tokens=MEASURED_TOKENS, batch: int = 1,
+                  warmups: int = 1, reuse_prefix: bool = False, clock=None) -> list[tuple[int, float]]:
+    """``[(n, seconds)]``: the median of ``repeats`` forwards of ``n`` tokens a row for ``batch`` rows (``n`` in
+    ``tokens``), each after a ``context``-token prefix held in a cache, after ``warmups`` untimed ones; timed on
+    ``clock`` (default ``time.perf_counter``) with a device sync on CUDA, under the attention priority of decoding
+    calls (:func:`hf_paralleldecode.attention.decoding_attention`). Nothing is remembered: :func:`forward_cost`
+    keeps its curve in the model's memory.
+
+    By default every forward gets a freshly prefilled cache. ``reuse_prefix=True`` prefills once and crops the cache
+    back to the prefix after each forward: the same forwards, without a prefill each (at 64 rows of a 1B model in
+    fp32 on a CPU one prefill costs minutes). It needs a cache that crops, so a model with a recurrent state
+    (Mamba, RWKV, linear attention) is refused. ``context=0`` times forwards from an empty cache: prefills.
+    """
+    import time
+
+    from ...compat import DynamicCache, cache_kwargs, has_recurrent_state
+
+    context, batch, repeats, warmups = int(context), int(batch), int(repeats), int(warmups)
+    if context < 0 or batch < 1 or repeats < 1 or warmups < 0 or not tokens or min(tokens) < 1:
+        raise ValueError(f"time_forwards needs context >= 0, batch >= 1, repeats >= 1, warmups >= 0 and token "
+                         f"counts >= 1; got context={context}, batch={batch}, repeats={repeats}, warmups={warmups}, "
+                         f"tokens={tuple(tokens)}.")
+    if reuse_prefix and has_recurrent_state(model):
+        raise ValueError(f"reuse_prefix=True crops the cache back to the prefix after each forward, which cannot "
+                         f"rewind the recurrent state of {type(model).__name__}; time it with reuse_prefix=False.")
+    clock = clock or time.perf_counter
+    device = next(model.parameters()).device
+    vocab = model.get_output_embeddings().weight.shape[0] if model.get_output_embeddings() is not None else 2
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *a: None)
+    generator = torch.Generator().manual_seed(0)  # the user's global RNG stays untouched
+    longest = max(tokens)
+    ids = torch.randint(0, vocab, (batch, context + longest), generator=generator).to(device)
+
+    def prefilled():
+        cache = DynamicCache()
+        if context:
+            model(input_ids=ids[:, :context], use_cache=True, **cache_kwargs(model, cache))
+        return cache
+
+    points = []
+    with decoding_attention(device):  # the attention order decoding calls run with (cuDNN's after the others)
+        cache = prefilled() if reuse_prefix else None
+        for n in tokens:
+            times = []
+            for _ in range(repeats + warmups):
+                if not reuse_prefix:
+                    cache = prefilled()
+                sync()
+                t0 = clock()
+                model(input_ids=ids[:, context:context + n], use_cache=True, **cache_kwargs(model, cache))
+                sync()
+                times.append(clock() - t0)
+                if reuse_prefix:
+                    cache.crop(-n)  # back to the prefix (a negative count: the same call on every tested release)
+            timed = sorted(times[warmups:])
+            points.append((int(n), timed[len(timed) // 2]))
+    return points
+
+
 def forward_cost(model, context: int = 64, repeats: int = 5, tokens=MEASURED_TOKENS, batch: int = 1,
                  warmups: int = 1) -> ForwardCost:
     """Measure (once per model, device and dtype; kept in the model's :class:`~.memory.PolicyMemory`) ``T(n)`` for
@@ -94,7 +153,7 @@ def forward_cost(model, context: int = 64, repeats: int = 5, tokens=MEASURED_TOK
     Each point is the median of ``repeats`` forwards of ``n`` tokens (``n`` in ``tokens``) after a
     ``context``-token prefix held in a cache, timed with a device sync on CUDA, for ``batch`` rows (``n`` tokens
     each), after ``warmups`` untimed ones, on the model's clock, with the attention priority of decoding calls
-    (:func:`hf_paralleldecode.attention.decoding_attention`). Costs a few dozen forwards.
+    (:func:`time_forwards`, each forward on a freshly prefilled cache). Costs a few dozen forwards.
     On a model with a learned position table (GPT-2's ``n_positions``) the probe stays inside it: the prefix
     shrinks to a quarter of the table at most and sizes that would not fit are not measured.
     """
@@ -108,29 +167,11 @@ def forward_cost(model, context: int = 64, repeats: int = 5, tokens=MEASURED_TOK
     key = (str(device), str(next(model.parameters()).dtype), int(context), tuple(tokens), int(batch), int(warmups),
            str(get_attention_priority()))
     memory = memory_of(model)
-    known, clock = memory.forward_costs, memory.clock
+    known = memory.forward_costs
     if key in known:
         return ForwardCost(known[key])  # a fresh level per run, the measured shape
-    from ...compat import DynamicCache, cache_kwargs
-
-    vocab = model.get_output_embeddings().weight.shape[0] if model.get_output_embeddings() is not None else 2
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *a: None)
-    generator = torch.Generator().manual_seed(0)  # the user's global RNG stays untouched
-    points = []
-    with decoding_attention(device):  # the attention order decoding calls run with (cuDNN's after the others)
-        for n in tokens:
-            times = []
-            for _ in range(repeats + warmups):
-                cache = DynamicCache()
-                ids = torch.randint(0, vocab, (batch, context + n), generator=generator).to(device)
-                model(input_ids=ids[:, :context], use_cache=True, **cache_kwargs(model, cache))
-                sync()
-                t0 = clock()
-                model(input_ids=ids[:, context:], use_cache=True, **cache_kwargs(model, cache))
-                sync()
-                times.append(clock() - t0)
-            timed = sorted(times[warmups:])
-            points.append((n, timed[len(timed) // 2]))
+    points = time_forwards(model, context=context, repeats=repeats, tokens=tokens, batch=batch, warmups=warmups,
+                           clock=memory.clock)
     known[key] = ForwardCost(points).points
     return ForwardCost(points)
 
