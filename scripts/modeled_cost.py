@@ -98,12 +98,10 @@ def measure(args) -> None:
         raise ValueError(f"--model takes a cost twin's name (default-1b, default-trained-1b, ...), got {args.model!r}.")
     model = embedded_twin(*twin_of(args.model), dtype=getattr(torch, args.dtype), device="cpu")
     points = []
-    for rows in ROWS:
-        prefill = time_forwards(model, context=0, tokens=(CONTEXT,), batch=rows, repeats=1, warmups=0)
-        # the forwards after the prefix, on one cache cropped back to it after each
-        after = time_forwards(model, context=CONTEXT, tokens=TOKENS, batch=rows, repeats=args.repeats, warmups=0,
+    for rows in ROWS:  # the prefill of the 128-token prefix (timed), then the forwards after it on one cache
+        times = time_forwards(model, context=CONTEXT, tokens=TOKENS, batch=rows, repeats=args.repeats, warmups=0,
                               reuse_prefix=True)
-        for k, seconds in prefill + after:
+        for k, seconds in [(CONTEXT, times.prefill)] + times.points:
             points.append(dict(batch=rows, tokens_per_row=k, ms=seconds * 1000))
             print(points[-1], flush=True)
     Path(args.output).write_text(json.dumps(dict(model=args.model, dtype=args.dtype, context=CONTEXT,

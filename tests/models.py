@@ -114,10 +114,10 @@ class FakeClock:
 
 
 class ForwardRecorder:
-    """Wraps model.forward to record what each target forward is fed."""
+    """Wraps model.forward to record what each target forward is fed (and, with ``keep_logits``, its logits)."""
 
-    def __init__(self, model):
-        self.calls = []
+    def __init__(self, model, keep_logits: bool = False):
+        self.calls, self.logits = [], []
         self.model = model
         orig = model.forward
 
@@ -128,7 +128,10 @@ class ForwardRecorder:
                 cached=cache.get_seq_length() if cache is not None else 0,
                 first_position=int(kwargs["position_ids"][0, 0]) if kwargs.get("position_ids") is not None else None,
             ))
-            return orig(*args, **kwargs)
+            out = orig(*args, **kwargs)
+            if keep_logits:
+                self.logits.append(out.logits.detach().clone())
+            return out
 
         model.forward = forward
 

@@ -36,32 +36,18 @@ def test_forward_cost_is_measured_once_per_model():
     assert forward_cost(model).points == first.points  # cached: same shape, fresh level
 
 
-def _recording_logits(model):
-    """Record every forward's fed/cached lengths (ForwardRecorder) and its logits."""
-    recorder = ForwardRecorder(model)
-    inner, recorder.logits = model.forward, []
-
-    def forward(*args, **kwargs):
-        out = inner(*args, **kwargs)
-        recorder.logits.append(out.logits.detach().clone())
-        return out
-
-    model.forward = forward
-    return recorder
-
-
 @pytest.mark.parametrize("arch", [a for a in ARCHITECTURES if a != "gpt2"])
 def test_time_forwards_reusing_the_prefix_runs_the_same_forwards_on_one_cropped_cache(arch):
     model = enabled(arch)
     runs = {}
     for reuse in (False, True):
-        recorder = _recording_logits(model)
+        recorder = ForwardRecorder(model, keep_logits=True)
         try:
-            points = time_forwards(model, context=6, repeats=2, tokens=(1, 3), batch=2, warmups=1,
-                                   reuse_prefix=reuse)
+            times = time_forwards(model, context=6, repeats=2, tokens=(1, 3), batch=2, warmups=1,
+                                  reuse_prefix=reuse)
         finally:
             recorder.restore()
-        assert [n for n, _ in points] == [1, 3] and all(s > 0 for _, s in points)
+        assert [n for n, _ in times.points] == [1, 3] and all(s > 0 for _, s in times.points) and times.prefill > 0
         prefills = [c for c in recorder.calls if c["cached"] == 0]
         timed = [(c, logits) for c, logits in zip(recorder.calls, recorder.logits) if c["cached"] != 0]
         assert all(c["fed"] == 6 for c in prefills) and len(prefills) == (1 if reuse else 6)
@@ -78,12 +64,15 @@ def test_time_forwards_times_prefills_from_an_empty_cache_on_the_given_clock():
     hook = model.register_forward_pre_hook(lambda module, args, kwargs: clock.advance(0.5), with_kwargs=True)
     recorder = ForwardRecorder(model)
     try:
-        points = time_forwards(model, context=0, repeats=3, tokens=(4, 8), warmups=0, clock=clock)
+        times = time_forwards(model, context=0, repeats=3, tokens=(4, 8), warmups=0, clock=clock)
+        with_prefix = time_forwards(model, context=5, repeats=1, tokens=(2, 3), warmups=0, reuse_prefix=True,
+                                    clock=clock)
     finally:
         recorder.restore()
         hook.remove()
-    assert points == [(4, 0.5), (8, 0.5)]  # one forward each, read on the clock given
-    assert [(c["fed"], c["cached"]) for c in recorder.calls] == [(4, 0)] * 3 + [(8, 0)] * 3
+    assert times.points == [(4, 0.5), (8, 0.5)] and times.prefill is None  # one forward each, on the clock given
+    assert [(c["fed"], c["cached"]) for c in recorder.calls][:6] == [(4, 0)] * 3 + [(8, 0)] * 3
+    assert with_prefix.prefill == 0.5 and with_prefix.points == [(2, 0.5), (3, 0.5)]  # the one prefill, timed too
 
 
 def test_time_forwards_refuses_what_it_cannot_time():

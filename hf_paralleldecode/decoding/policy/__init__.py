@@ -13,7 +13,15 @@ Modules, bottom up (none imports a strategy or the engine's loop):
 * :mod:`.rule`: the choice (:class:`BatchPolicy`) and the policy of a call (:func:`batch_policy`).
 """
 
-from .budget import MEASURED_TOKENS, AcceptanceModel, CostAwareBudget, ForwardCost, forward_cost, time_forwards
+from .budget import (
+    MEASURED_TOKENS,
+    AcceptanceModel,
+    CostAwareBudget,
+    ForwardCost,
+    ForwardTimes,
+    forward_cost,
+    time_forwards,
+)
 from .memory import PolicyMemory, acceptance_rule, memory_of, memory_scope, target_key
 from .rule import BatchPolicy, batch_policy, check_policy_settings
 from .shapes import CHAIN_DEPTHS, PLAIN, Shape, first_child_prefix, path_prefix, shapes_from
@@ -24,5 +32,5 @@ from .tuning import PolicyTuning
 __all__ = ["Shape", "BatchPolicy", "shapes_from", "first_child_prefix", "path_prefix", "PLAIN", "CHAIN_DEPTHS",
            "target_key", "acceptance_rule", "batch_policy", "check_policy_settings", "PolicyTuning", "PolicyMemory",
            "memory_of", "memory_scope", "Clock", "StepTimes", "expected_max", "tail_factor", "CostAwareBudget",
-           "ForwardCost", "AcceptanceModel", "forward_cost", "time_forwards",
+           "ForwardCost", "AcceptanceModel", "forward_cost", "time_forwards", "ForwardTimes",
            "MEASURED_TOKENS"]

@@ -34,12 +34,14 @@ What it deliberately does not know
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from ...attention import decoding_attention, get_attention_priority
 from .memory import memory_of
 
-__all__ = ["ForwardCost", "AcceptanceModel", "CostAwareBudget", "forward_cost", "time_forwards"]
+__all__ = ["ForwardCost", "AcceptanceModel", "CostAwareBudget", "forward_cost", "time_forwards", "ForwardTimes"]
 
 #: token counts the forward is timed at (per forward, all rows together); linear in between and beyond
 MEASURED_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -85,10 +87,19 @@ class ForwardCost:
         return {"tokens": [n for n, _ in self.points], "seconds": [s for _, s in self.points]}
 
 
+class ForwardTimes(NamedTuple):
+    """What :func:`time_forwards` measured."""
+
+    #: ``[(n, seconds)]``: the median forward of ``n`` tokens a row after the prefix, for each ``n`` asked
+    points: list[tuple[int, float]]
+    #: seconds of the prefix's prefill (the median of the prefills made); ``None`` when there is no prefix
+    prefill: float | None
+
+
 @torch.no_grad()
 def time_forwards(model, context: int = 64, repeats: int = 5, tokens=MEASURED_TOKENS, batch: int = 1,
-                  warmups: int = 1, reuse_prefix: bool = False, clock=None) -> list[tuple[int, float]]:
-    """``[(n, seconds)]``: the median of ``repeats`` forwards of ``n`` tokens a row for ``batch`` rows (``n`` in
+                  warmups: int = 1, reuse_prefix: bool = False, clock=None) -> ForwardTimes:
+    """``points``: the median of ``repeats`` forwards of ``n`` tokens a row for ``batch`` rows (``n`` in
     ``tokens``), each after a ``context``-token prefix held in a cache, after ``warmups`` untimed ones; timed on
     ``clock`` (default ``time.perf_counter``) with a device sync on CUDA, under the attention priority of decoding
     calls (:func:`hf_paralleldecode.attention.decoding_attention`). Nothing is remembered: :func:`forward_cost`
@@ -96,7 +107,7 @@ def time_forwards(model, context: int = 64, repeats: int = 5, tokens=MEASURED_TO
 
     By default every forward gets a freshly prefilled cache. ``reuse_prefix=True`` prefills once and crops the cache
     back to the prefix after each forward: the same forwards, without a prefill each (at 64 rows of a 1B model in
-    fp32 on a CPU one prefill costs minutes). It needs a cache that crops, so a model with a recurrent state
+    fp32 on a CPU one prefill costs minutes). The prefills are timed too (``prefill``). It needs a cache that crops, so a model with a recurrent state
     (Mamba, RWKV, linear attention) is refused. ``context=0`` times forwards from an empty cache: prefills.
     """
     import time
@@ -119,10 +130,16 @@ def time_forwards(model, context: int = 64, repeats: int = 5, tokens=MEASURED_TO
     longest = max(tokens)
     ids = torch.randint(0, vocab, (batch, context + longest), generator=generator).to(device)
 
+    prefills = []
+
     def prefilled():
         cache = DynamicCache()
         if context:
+            sync()
+            t0 = clock()
             model(input_ids=ids[:, :context], use_cache=True, **cache_kwargs(model, cache))
+            sync()
+            prefills.append(clock() - t0)
         return cache
 
     points = []
@@ -142,7 +159,7 @@ def time_forwards(model, context: int = 64, repeats: int = 5, tokens=MEASURED_TO
                     cache.crop(-n)  # back to the prefix (a negative count: the same call on every tested release)
             timed = sorted(times[warmups:])
             points.append((int(n), timed[len(timed) // 2]))
-    return points
+    return ForwardTimes(points, sorted(prefills)[len(prefills) // 2] if prefills else None)
 
 
 def forward_cost(model, context: int = 64, repeats: int = 5, tokens=MEASURED_TOKENS, batch: int = 1,
@@ -171,7 +188,7 @@ def forward_cost(model, context: int = 64, repeats: int = 5, tokens=MEASURED_TOK
     if key in known:
         return ForwardCost(known[key])  # a fresh level per run, the measured shape
     points = time_forwards(model, context=context, repeats=repeats, tokens=tokens, batch=batch, warmups=warmups,
-                           clock=memory.clock)
+                           clock=memory.clock).points
     known[key] = ForwardCost(points).points
     return ForwardCost(points)
 
