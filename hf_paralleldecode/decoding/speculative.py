@@ -50,6 +50,7 @@ import torch
 from ..drafters.base import Drafter, DraftStats, check_state, target_vocab_size
 from ..drafters.context import DrafterContext, DraftNodes, DraftStep
 from ..drafters.loading import check_drafter_dtype, drafter_run_dtype, load_drafter
+from ..engine.contract import check_draft_logits
 from ..engine.draft_tree import TreeBuilder
 from ..engine.processors import prefix_independent, process_prefixes
 from ..engine.run import Proposer, decode_call
@@ -341,6 +342,9 @@ class DraftProposer(Proposer):
         if all(bld.max_depth == 0 for bld in builders):
             return  # nothing to draft this step (a plain step, or every row at its last token): no drafter forward
         marginals = self.state.marginals(self.step)  # [b, D, V] for depths 1..D
+        check_draft_logits(marginals, "marginals(step)", self.drafter.describe(), [b, self.step.depth], self.vocab,
+                           at_least=max(bld.max_depth for bld in builders),
+                           rows="a row per active row, then the depths 1 .. step.depth")
         bs = marginals.shape[1]
         shared = None
         if not self.sample and prefix_independent(self.run.logits_processor or []):
@@ -373,7 +377,10 @@ class DraftProposer(Proposer):
                 for bld in builders:
                     bld.freeze()
                 continue
-            logits = self.state.expand(self.step, self._wave(builders, wanted))
+            wave = self._wave(builders, wanted)
+            logits = self.state.expand(self.step, wave)
+            check_draft_logits(logits, "expand(step, nodes)", self.drafter.describe(), [len(wave.host.rows)],
+                               self.vocab, rows="a row per node of the wave, in the order of nodes.rows")
             waves += 1
             self._evaluate(builders, self._flat(wanted), logits, histories, row_ids, q_store)
 

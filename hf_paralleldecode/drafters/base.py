@@ -24,6 +24,7 @@ What the tree grower (``decoding/speculative.py``) asks of a state, and nothing 
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -109,14 +110,17 @@ class Drafter(nn.Module):
 
     # ---- where it runs ------------------------------------------------------------------------------
     @property
-    def device(self) -> torch.device:
-        """The device of its weights (the first parameter's)."""
-        return next(p.device for p in self.parameters())
+    def device(self) -> torch.device | None:
+        """The device of its weights (the first parameter's, else the first buffer's); ``None`` for a drafter with
+        neither (nothing of its own to place: it runs where the call's tensors are)."""
+        return next((t.device for t in itertools.chain(self.parameters(), self.buffers())), None)
 
     @property
-    def dtype(self) -> torch.dtype:
-        """The dtype of its weights (the first floating-point parameter's)."""
-        return next(p.dtype for p in self.parameters() if p.is_floating_point())
+    def dtype(self) -> torch.dtype | None:
+        """The dtype of its weights (the first floating-point parameter's, else buffer's); ``None`` for a drafter
+        without any."""
+        return next((t.dtype for t in itertools.chain(self.parameters(), self.buffers()) if t.is_floating_point()),
+                    None)
 
     def copy_to(self, device=None, dtype=None):
         """A copy of the drafter that shares no weights or state with this one, on ``device`` / ``dtype`` (unbound: what

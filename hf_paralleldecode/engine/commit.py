@@ -127,6 +127,10 @@ class CommitLog:
         """Committed tokens of ``rows`` (original ids), as host ints."""
         return [self._count[r] for r in rows]
 
+    def last_token(self, row: int) -> int:
+        """Row ``row``'s last committed token (the root of its next tree), a host int."""
+        return self._rows[row][-1]
+
     def host_tokens(self, row: int) -> list[int]:
         """Row ``row``'s committed tokens, as a host list (do not modify)."""
         return self._rows[row]
@@ -217,9 +221,9 @@ class CommitLog:
                 break
             step = self._step(t)
             if self.scores is not None:
-                self.scores.append(self._score_buf[:, t] if self._score_buf is not None else None)
+                self.scores.append(self._emitted_values(self._score_buf, t))
             if self.logits is not None:
-                self.logits.append(self._logit_buf[:, t])
+                self.logits.append(self._emitted_values(self._logit_buf, t))
             if self.streamer is not None:
                 self.streamer.put(self._long(step).cpu())
             if on_host:
@@ -237,6 +241,16 @@ class CommitLog:
             for c in self.stopping_criteria:  # the length criterion's warning past max_position_embeddings
                 if type(c) is MaxLengthCriteria and c.max_position_embeddings is not None:
                     c(self.sequences, None)
+
+    def _emitted_values(self, buf: torch.Tensor | None, t: int) -> torch.Tensor | None:
+        """Step ``t``'s scores / logits ``[batch, vocab]``: a row that had finished before step ``t`` (padding) holds
+        zeros, whatever its strategy committed past its stop in the step that finished it."""
+        if buf is None:
+            return None
+        values = buf[:, t]
+        if self.has_eos_criteria and not all(self._unfinished):
+            values = values * torch.tensor(self._unfinished, dtype=values.dtype, device=values.device)[:, None]
+        return values
 
     def _host_stops(self, step: list[int], t: int) -> list[bool]:
         """The rows transformers' length / EOS criteria stop after step ``t`` (unfinished rows only)."""

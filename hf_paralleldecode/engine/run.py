@@ -30,6 +30,7 @@ from ..attention import decoding_attention
 from ..compat import GenerateDecoderOnlyOutput, enclosing_generate_streamer, user_cache
 from .cache import SlotCache, prepare_cache
 from .commit import CommitLog
+from .contract import check_proposer, check_tree
 from .processors import prefix_independent, process_block
 from .settings import check_bool_setting, check_int_setting  # noqa: F401 - their old home
 from .support import (
@@ -472,6 +473,8 @@ def decode(model, name, make_proposer, input_ids, logits_processor, stopping_cri
         run.stats.update(settings)
         if not run.log.done:  # (no room for new tokens is only reachable by calling a strategy directly)
             proposer = make_proposer(run)
+            check_proposer(proposer, name)
+            vocab = run.target.vocab
             fed = None  # tokens of the last verification forward (all rows)
             while not run.log.done:
                 kept = run.drop_finished()
@@ -484,6 +487,7 @@ def decode(model, name, make_proposer, input_ids, logits_processor, stopping_cri
                     policy.start_step(int(run.rows.numel()), run.target.seconds, fed,
                                       run.log.mean_remaining(run.rows.tolist()))
                 tree = proposer.propose()
+                check_tree(tree, run.rows, run.log.last_token, vocab, name)
                 verdict = run.step(tree)
                 fed = tree.tokens.numel()
                 if policy is not None:

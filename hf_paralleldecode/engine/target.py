@@ -110,6 +110,11 @@ class TargetForward:
         self.token_type_ids = None  # [batch, prompt_len] when given: new tokens repeat each row's last type
         self._head = False  # the model's GreedyHead (None: none), looked up on the call's first greedy step
 
+    @property
+    def vocab(self) -> int:
+        """The ids the model embeds (its input embedding's rows)."""
+        return int(self.model.get_input_embeddings().weight.shape[0])
+
     def prompt_inputs(self) -> dict:
         return {} if self.token_type_ids is None else {"token_type_ids": self.token_type_ids}
 
