@@ -325,3 +325,124 @@ def test_train_cli_eagle3_recipe_with_a_reduced_vocabulary_and_a_resumed_run(set
     ids = torch.tensor([[5, 6, 7]])
     assert torch.equal(target.generate(input_ids=ids, max_new_tokens=10),
                        target.generate(input_ids=ids, max_new_tokens=10, decoding="stock"))
+
+
+# ---- issue 64 (day-one round 5): every bad recipe is an `error:` line and exit 2; dry run = the real run's checks --
+def _write_bad_recipe(tmp_path: Path, kind: str) -> Path:
+    path = tmp_path / {"jsonl": "conv.jsonl", "directory": "recipes"}.get(kind, f"{kind}.yaml")
+    if kind == "jsonl":  # a dataset passed by mistake: one JSON object a line is not one YAML document
+        path.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n'
+                        '{"messages": [{"role": "user", "content": "bye"}]}\n')
+    elif kind == "empty":
+        path.write_text("\n# nothing but a comment\n")
+    elif kind == "list":
+        path.write_text("- method: cllm\n- model_name_or_path: default\n")
+    elif kind == "scalar":
+        path.write_text("cllm\n")
+    elif kind == "numeric_keys":
+        path.write_text("method: cllm\n1: 2\n")
+    elif kind == "directory":
+        path.mkdir()
+    elif kind == "binary":
+        path.write_bytes(bytes(range(256)) * 4)
+    elif kind == "tab_indented":
+        path.write_text("method: cllm\n\tblock_size: 4\n")
+    return path
+
+
+@pytest.mark.parametrize("kind, says", [
+    ("jsonl", "is not valid YAML"), ("empty", "is empty"), ("list", "holds a YAML list"),
+    ("scalar", "holds a YAML str"), ("numeric_keys", "keys must be field names"), ("missing", "does not exist"),
+    ("directory", "is a directory"), ("binary", "is not a text file"), ("tab_indented", "is not valid YAML"),
+])
+@pytest.mark.parametrize("dry_run", [False, True])
+def test_cli_day_one_a_recipe_that_is_not_a_yaml_mapping_is_an_error_line_and_exit_2(tmp_path, capsys, kind, says,
+                                                                                     dry_run):
+    path = _write_bad_recipe(tmp_path, kind)
+    assert cli.main(["train", "--config", str(path), *(["--dry-run"] if dry_run else [])]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: Recipe ") and says in err and str(path) in err and "Traceback" not in err
+    assert "recipes/" in err  # the fix: what a recipe looks like
+
+
+def test_cli_day_one_help_with_a_bad_recipe_is_the_same_error(tmp_path, capsys):
+    path = _write_bad_recipe(tmp_path, "jsonl")
+    assert cli.main(["train", "--config", str(path), "--help"]) == 2
+    assert "is not valid YAML" in capsys.readouterr().err
+    assert cli.main(["train", "--config", str(tmp_path / "missing.yaml"), "--help"]) == 0  # the general help
+
+
+def _no_model_load(monkeypatch):
+    """The checks run before any weights load: loading them fails the test."""
+    from transformers import AutoModelForCausalLM
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded before the recipe's data was checked")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", refuse)
+
+
+def _dry_and_real(recipe: Path, capsys, monkeypatch, *extra) -> list[str]:
+    """The error of ``--dry-run`` and of the real run (each exit 2, before any weights load)."""
+    errors = []
+    for dry in (["--dry-run"], []):
+        with monkeypatch.context() as m:
+            _no_model_load(m)
+            assert cli.main(["train", "--config", str(recipe), *dry, *extra]) == 2
+        errors.append(capsys.readouterr().err)
+    return errors
+
+
+def test_cli_day_one_dry_run_refuses_a_block_size_the_data_was_not_collected_with(setup, tmp_path, capsys,
+                                                                                   monkeypatch):
+    recipe = _recipe(setup, "jacobi_forcing", tmp_path / "out")
+    dry, real = _dry_and_real(recipe, capsys, monkeypatch, "--block_size", "8")
+    assert dry == real and "collected with block size 4 but the config says block_size=8" in dry
+    assert not (tmp_path / "out").exists()
+    assert cli.main(["train", "--config", str(recipe), "--dry-run"]) == 0  # the matching block size passes
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["data_exists"] is True and summary["data_checked"] is True
+
+
+def test_cli_day_one_dry_run_refuses_data_of_the_other_kind_or_another_tokenizer(setup, tmp_path, capsys,
+                                                                                  monkeypatch):
+    import shutil
+
+    from hf_paralleldecode.training.regenerate import regenerate
+
+    regen = tmp_path / "regen"
+    regenerate(tiny_model("llama"), word_tokenizer(), ["t5 t6 t7", "t8 t9"], regen, max_new_tokens=8, progress=False)
+    capsys.readouterr()
+    wrong_kind = _recipe(setup, "cllm", tmp_path / "out")  # regenerated continuations are no trajectories
+    spec = yaml.safe_load(wrong_kind.read_text())
+    wrong_kind.write_text(yaml.safe_dump({**spec, "trajectories": str(regen)}))
+    dry, real = _dry_and_real(wrong_kind, capsys, monkeypatch)
+    assert dry == real and "trajectories" in dry and "hf-paralleldecode collect" in dry
+    head = dict(method="draft_head", model_name_or_path=str(setup / "model"), trajectories=str(setup / "traj"),
+                output_dir=str(tmp_path / "head"), head_num_hidden_layers=1, head_block_size=3, max_steps=1,
+                use_cpu=True, report_to="none")
+    (tmp_path / "head.yaml").write_text(yaml.safe_dump(head))  # trajectories are no regenerated continuations
+    dry, real = _dry_and_real(tmp_path / "head.yaml", capsys, monkeypatch)
+    assert dry == real and "input_ids" in dry and "hf-paralleldecode regenerate" in dry
+    other = tmp_path / "other_tokenizer"
+    shutil.copytree(setup / "traj", other)
+    config = json.loads((other / "collection_config.json").read_text())
+    (other / "collection_config.json").write_text(json.dumps({**config, "tokenizer": "0" * 16}))
+    recipe = _recipe(setup, "cllm", tmp_path / "out")
+    dry, real = _dry_and_real(recipe, capsys, monkeypatch, "--trajectories", str(other))
+    assert dry == real and "written with another tokenizer" in dry
+
+
+def test_cli_day_one_a_null_recipe_value_is_a_none_default_and_refused_elsewhere(setup, tmp_path, capsys):
+    recipe = dict(method="draft_head", model_name_or_path=str(setup / "model"), trajectories=str(tmp_path / "none"),
+                  output_dir=str(tmp_path / "head"), head_num_hidden_layers=1, head_block_size=3,
+                  head_mask_token_id=None, head_target_layer_ids=None, init_head=None, use_cpu=True, report_to="none")
+    path = tmp_path / "head.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    assert cli.main(["train", "--config", str(path), "--dry-run", "--gamma", "None"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["head"]["mask_token_id"] == 96 and summary["gamma"] is None
+    path.write_text(yaml.safe_dump({**recipe, "max_steps": None}))
+    assert cli.main(["train", "--config", str(path), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "`max_steps: null`" in err and "remove the line" in err

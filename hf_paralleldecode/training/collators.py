@@ -24,16 +24,22 @@ __all__ = ["ConsistencyCollator", "ProgressiveCollator", "REQUIRED_COLUMNS"]
 REQUIRED_COLUMNS = ("prompt_ids", "response_ids", "trajectories", "fixed_points")
 
 
+def check_block_size(collected: int | None, block_size: int) -> None:
+    """``ValueError`` when data collected with block size ``collected`` (``None``: not known) cannot train
+    ``block_size`` (a real run's first batch and ``train --dry-run`` refuse it in the same words)."""
+    if collected is not None and collected != block_size:
+        raise ValueError(
+            f"The data was collected with block size {collected} but the config says block_size={block_size}; "
+            "collect again or set block_size to match."
+        )
+
+
 def _check_row(row: dict, block_size: int) -> None:
     missing = [c for c in REQUIRED_COLUMNS if c not in row]
     if missing:
         raise ValueError(f"Trajectory rows need columns {list(REQUIRED_COLUMNS)}; missing {missing}.")
     for fixed in row["fixed_points"]:
-        if len(fixed) != block_size:
-            raise ValueError(
-                f"The data was collected with block size {len(fixed)} but the config says block_size={block_size}; "
-                "collect again or set block_size to match."
-            )
+        check_block_size(len(fixed), block_size)
 
 
 def _pad(seqs: list[list[int]], value: int) -> torch.Tensor:

@@ -43,6 +43,7 @@ from ..engine.cache import additive_mask
 from .draft_head import DrafterTrainer, check_distillation_settings, padded_rows_and_anchors
 from .losses import DISTILLATION_OBJECTIVES, diffusion_alignment_loss, position_weights
 from .methods import TrainingMethod, count_parameters, register_training_method
+from .regenerate import check_regenerated_data
 from .trajectories import check_token_ids
 
 __all__ = ["DiffusionAlignmentConfig", "DiffusionAlignmentTrainer", "DiffusionAlignmentCollator", "STAGES"]
@@ -400,4 +401,4 @@ def _dry_run(target, script, args):
 
 
 register_training_method(TrainingMethod("deer", DiffusionAlignmentConfig, DiffusionAlignmentTrainer, _build, _dry_run,
-                                        DiffusionDrafterOptions))
+                                        DiffusionDrafterOptions, check_regenerated_data))

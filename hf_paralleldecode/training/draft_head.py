@@ -39,6 +39,7 @@ from ..engine.cache import additive_mask
 from ..engine.target import HiddenStateTaps
 from .losses import DISTILLATION_OBJECTIVES, draft_distillation_loss, position_weights
 from .methods import TrainingMethod, count_parameters, register_training_method
+from .regenerate import check_regenerated_data
 from .trajectories import check_token_ids
 
 __all__ = ["DraftHeadDistillationConfig", "DraftHeadDistillationTrainer", "DraftHeadCollator", "block_layout"]  # noqa: F822
@@ -362,4 +363,4 @@ def _dry_run(target, script, args):
 
 
 register_training_method(TrainingMethod("draft_head", DraftHeadDistillationConfig, DraftHeadDistillationTrainer,
-                                        _build, _dry_run, DraftHeadOptions))
+                                        _build, _dry_run, DraftHeadOptions, check_regenerated_data))

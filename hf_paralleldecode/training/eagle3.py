@@ -28,6 +28,7 @@ from ..drafters.eagle3 import Eagle3Drafter, ttt_step_mask
 from .draft_head import DrafterTrainer, check_distillation_settings
 from .losses import DISTILLATION_OBJECTIVES, draft_distillation_loss
 from .methods import TrainingMethod, count_parameters, register_training_method
+from .regenerate import check_regenerated_data
 
 __all__ = ["Eagle3DistillationConfig", "Eagle3DistillationTrainer", "Eagle3Collator"]
 
@@ -224,4 +225,4 @@ def _dry_run(target, script, args):
 
 
 register_training_method(TrainingMethod("eagle3", Eagle3DistillationConfig, Eagle3DistillationTrainer, _build, _dry_run,
-                                        Eagle3Options))
+                                        Eagle3Options, check_regenerated_data))

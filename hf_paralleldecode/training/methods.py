@@ -27,6 +27,8 @@ class TrainingMethod:
     ``ScriptArguments`` (every method's ``options`` fields included), ``args`` the parsed :attr:`config`.
     ``dry_run(target, script, args)`` returns ``(facts, trainable parameters or None)`` for ``--dry-run``: the target
     is built from its config on the meta device (no weights), so whatever it builds must be sized, not run.
+    ``check_data(script, args, tokenizer)`` raises ``ValueError`` for data (``script.trajectories``) the real run
+    would refuse, reading no rows: a real run calls it before its model loads, ``--dry-run`` when the data is there.
     """
 
     name: str
@@ -37,6 +39,7 @@ class TrainingMethod:
     #: a dataclass of the recipe keys that describe what the method trains when it is new (``help`` metadata starting
     #: with ``"<name>: "``), or ``None``
     options: type | None = None
+    check_data: Callable[[Any, Any, Any], None] | None = None
 
 
 #: method name -> :class:`TrainingMethod`, in the order they registered (the CLI's order)

@@ -29,6 +29,7 @@ import torch
 
 from ..prompts import chat_prompts
 from .trajectories import (
+    check_data_folder,
     check_ints,
     encode_prompts,
     load_shards,
@@ -120,3 +121,9 @@ def load_regenerated(output_dir: str | os.PathLike, tokenizer=None):
     """The regenerated continuations as a ``datasets.Dataset`` sorted by ``prompt_id`` (checked against
     ``tokenizer`` when given: see :func:`~hf_paralleldecode.training.trajectories.load_shards`)."""
     return load_shards(output_dir, "regenerated", tokenizer=tokenizer)
+
+
+def check_regenerated_data(script, args, tokenizer) -> None:
+    """The drafter methods' data checks that read no rows (``TrainingMethod.check_data``): continuations (what
+    ``regenerate`` writes: ``input_ids`` and ``prompt_ids``) with the tokenizer's fingerprint."""
+    check_data_folder(script.trajectories, "regenerated", ("input_ids", "prompt_ids"), "regenerate", tokenizer)

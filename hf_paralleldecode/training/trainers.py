@@ -29,7 +29,7 @@ from transformers import Trainer, TrainingArguments
 
 from ..compat import TrainerHooks
 from ..config import ParallelDecodingConfig
-from .collators import ConsistencyCollator, ProgressiveCollator
+from .collators import REQUIRED_COLUMNS, ConsistencyCollator, ProgressiveCollator, check_block_size
 from .losses import DISTANCES, ar_loss, consistency_loss, progressive_consistency_loss
 from .methods import TrainingMethod, count_parameters, register_training_method
 from .packing import MASKS, SCHEDULES
@@ -403,7 +403,16 @@ def _whole_model_method(name: str, config: type, trainer: type) -> TrainingMetho
     def dry_run(target, script, args):
         return dict(trains="the whole model", block_size=getattr(args, "block_size", None)), count_parameters(target)
 
-    return TrainingMethod(name, config, trainer, build, dry_run)
+    return TrainingMethod(name, config, trainer, build, dry_run, check_data=check_trajectory_data)
+
+
+def check_trajectory_data(script, args, tokenizer) -> None:
+    """The whole-model methods' data checks that read no rows (``TrainingMethod.check_data``): trajectories (what
+    ``collect`` writes) with the tokenizer's fingerprint, collected with the recipe's ``block_size``."""
+    from .trajectories import check_data_folder
+
+    config = check_data_folder(script.trajectories, "trajectory", REQUIRED_COLUMNS, "collect", tokenizer)
+    check_block_size(config.get("block_size"), args.block_size)
 
 
 register_training_method(_whole_model_method("cllm", ConsistencyConfig, ConsistencyTrainer))

@@ -46,7 +46,7 @@ from ..prompts import chat_prompts, read_prompts
 logger = logging.getLogger(__name__)
 
 __all__ = ["collect_trajectories", "load_trajectories", "read_prompts", "run_sharded", "load_shards", "check_ints",
-           "split_responses", "tokenizer_fingerprint"]
+           "split_responses", "tokenizer_fingerprint", "check_data_folder"]
 
 CONFIG_FILE = "collection_config.json"
 
@@ -328,19 +328,7 @@ def load_shards(output_dir: str | os.PathLike, what: str = "trajectory", tokeniz
     """
     import datasets
 
-    out = Path(output_dir)
-    shards = sorted(str(p) for p in out.glob("shard-*.parquet"))
-    if not shards:
-        raise ValueError(f"No {what} shards in {output_dir}.")
-    config_path = out / CONFIG_FILE
-    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
-    if tokenizer is not None and config.get("tokenizer") not in (None, tokenizer_fingerprint(tokenizer)):
-        raise ValueError(
-            f"The {what} data in {output_dir} was written with another tokenizer (fingerprint {config['tokenizer']}, "
-            f"this one {tokenizer_fingerprint(tokenizer)}): its token ids mean other tokens here. Regenerate it with "
-            "the model you train for."
-        )
-    _check_shard_files(shards, what)
+    shards, config = _data_folder(output_dir, what, tokenizer)
     ds = datasets.load_dataset("parquet", data_files=shards, split="train")
     if tokenizer is not None:
         check_token_ids(ds, len(tokenizer), f"the {what} data in {output_dir}")
@@ -348,6 +336,50 @@ def load_shards(output_dir: str | os.PathLike, what: str = "trajectory", tokeniz
         logger.warning("%s holds %d of %d prompts: the run that wrote it did not finish (rerun it to resume).",
                        output_dir, len(ds), config["num_prompts"])
     return ds.sort("prompt_id")
+
+
+def _data_folder(output_dir, what: str, tokenizer=None, command: str | None = None) -> tuple[list[str], dict]:
+    """``(the shards, the collection config or {})`` of a data folder whose shards are readable and hold rows,
+    written with ``tokenizer`` when given (``command``: the one that writes such data, for the messages)."""
+    command = command or ("regenerate" if what == "regenerated" else "collect")
+    out = Path(output_dir)
+    if out.is_file():
+        raise ValueError(f"{output_dir} is a file, not a folder of {what} data: write the data with "
+                         f"`hf-paralleldecode {command} --prompts FILE --output-dir DIR` and pass DIR "
+                         "(the recipe's `trajectories`).")
+    shards = sorted(str(p) for p in out.glob("shard-*.parquet"))
+    if not shards:
+        raise ValueError(f"No {what} shards in {output_dir}: write them with `hf-paralleldecode {command}`.")
+    config_path = out / CONFIG_FILE
+    try:
+        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"Could not read {config_path}: {err}. It is written with the data: write the data "
+                         "again into a new folder.") from None
+    if tokenizer is not None and config.get("tokenizer") not in (None, tokenizer_fingerprint(tokenizer)):
+        raise ValueError(
+            f"The {what} data in {output_dir} was written with another tokenizer (fingerprint {config['tokenizer']}, "
+            f"this one {tokenizer_fingerprint(tokenizer)}): its token ids mean other tokens here. Regenerate it with "
+            "the model you train for."
+        )
+    _check_shard_files(shards, what)
+    return shards, config
+
+
+def check_data_folder(output_dir, what: str, columns, command: str, tokenizer=None) -> dict:
+    """The checks of a training data folder that read no rows, made by a real ``train`` run before its model loads
+    and by ``train --dry-run`` alike: a folder of readable shards holding rows with ``columns`` (the data
+    ``hf-paralleldecode {command}`` writes), written with ``tokenizer`` when given (:func:`load_shards` checks the
+    same). Returns its collection config (``{}`` without one)."""
+    import pyarrow.parquet as pq
+
+    shards, config = _data_folder(output_dir, what, tokenizer, command)
+    missing = [c for c in columns if c not in pq.read_schema(shards[0]).names]
+    if missing:
+        raise ValueError(f"{output_dir} holds no {what} data: its rows lack {missing}. This method trains on what "
+                         f"`hf-paralleldecode {command}` writes: run it and name its --output-dir in the recipe's "
+                         "`trajectories`.")
+    return config
 
 
 def _check_shard_files(shards: list[str], what: str) -> None:
