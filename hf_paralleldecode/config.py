@@ -9,7 +9,12 @@ file alone. :func:`hf_paralleldecode.load_model` attaches it to the model so tha
 The settings are those of the strategy's settings class (``JacobiSettings``, ...), which checks them when the config
 is built or loaded; the file records that class (``settings_class``) and
 :attr:`ParallelDecodingConfig.strategy_settings` gives them back typed. A file without that key (written before it
-was recorded) loads the same way.
+was recorded) loads the same way. Loading runs the constructor's checks (a field of the wrong type is refused naming
+it); only what a newer version wrote is let through with a warning.
+
+Saving checks the whole file before writing it, and writes it atomically (a temporary file renamed into place): a
+``torch.dtype`` setting (``drafter_dtype=torch.bfloat16``) is saved as its name (``"bfloat16"``) and read back as the
+dtype; a value JSON cannot hold is refused with a ``ValueError`` naming the setting, and nothing is written.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ import json
 import logging
 import os
 import tempfile
+import typing
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,6 +43,52 @@ SETTINGS_CLASS = "settings_class"
 
 def _class_path(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
+
+
+#: the fields besides ``decoding`` and ``settings``, each a str or None: what each holds, for the messages
+_TEXT_FIELDS = {
+    "drafter": "a folder, path or repo id",
+    "base_model_name_or_path": "the base model's name or path",
+    "library_version": "the version of hf_paralleldecode that wrote the file",
+}
+
+
+def _dumps(data: dict[str, Any]) -> str:
+    return json.dumps(data, indent=2, sort_keys=True) + "\n"
+
+
+def _saved_value(name: str, value):
+    """A setting as the file holds it: a ``torch.dtype`` by its name, any other value as JSON holds it; ``ValueError``
+    naming the setting when JSON cannot hold it."""
+    import torch
+
+    if isinstance(value, torch.dtype):
+        return str(value).removeprefix("torch.")
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"The setting `{name}`={value!r} cannot be saved in {CONFIG_NAME}: JSON cannot hold a "
+                         f"{type(value).__name__}. Save a value JSON holds (a str, a number, a bool, None, or a list / "
+                         "dict of them), or leave the setting out of the config and pass it to generate().") \
+            from None
+    return value
+
+
+def _read_settings(cls: type[StrategySettings], settings: dict[str, Any]) -> dict[str, Any]:
+    """The settings of a file as ``cls`` takes them: a dtype's name in a setting typed ``torch.dtype`` (saved by
+    :func:`_saved_value`) becomes the dtype again."""
+    try:
+        hints = typing.get_type_hints(cls)
+    except Exception:  # noqa: BLE001 - an annotation that does not resolve here: the values as saved
+        return settings
+    import torch
+
+    def dtype_of(name, value):
+        admits = hints.get(name) is torch.dtype or torch.dtype in typing.get_args(hints.get(name))
+        dtype = getattr(torch, value, None) if admits and isinstance(value, str) else None
+        return dtype if isinstance(dtype, torch.dtype) else value
+
+    return {name: dtype_of(name, value) for name, value in settings.items()}
 
 
 def _whose(cls: type) -> str:
@@ -73,6 +126,7 @@ class ParallelDecodingConfig:
     def __post_init__(self):
         from .registry import get_decoding, settings_class
 
+        self._check_fields()  # the types, before the registry is asked
         cls = settings_class(get_decoding(self.decoding))  # ValueError listing the available ones
         if isinstance(self.settings, StrategySettings):
             if type(self.settings) is not cls:
@@ -82,10 +136,20 @@ class ParallelDecodingConfig:
         if not isinstance(self.settings, dict):
             raise ValueError(f"`settings` must be a dict or a {cls.__name__}, got {type(self.settings).__name__}.")
         cls.from_dict(self.settings, decoding=self.decoding)  # names and values, refused here rather than at generate()
-        if "drafter" in self.settings:
+        self._check_fields()  # settings given as a SpeculativeSettings may name a drafter
+
+    def _check_fields(self) -> None:
+        """What each field must be whatever the decoding (the constructor's checks, the loader's and the saver's):
+        ``ValueError`` naming the field and what it takes."""
+        if not isinstance(self.decoding, str):
+            raise ValueError(f"`decoding` must be the name of a strategy (a str: one of hf_paralleldecode."
+                             f"available_decodings()), got {self.decoding!r} ({type(self.decoding).__name__}).")
+        for name, what in _TEXT_FIELDS.items():
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"`{name}` must be {what} (a str) or None, got {value!r} ({type(value).__name__}).")
+        if isinstance(self.settings, dict) and "drafter" in self.settings:
             raise ValueError("Name the draft head with `drafter=` (a folder, path or repo id), not inside `settings`.")
-        if self.drafter is not None and not isinstance(self.drafter, str):
-            raise ValueError(f"`drafter` must be a folder, path or repo id (str), got {type(self.drafter).__name__}.")
 
     @property
     def strategy_settings(self) -> StrategySettings:
@@ -99,17 +163,22 @@ class ParallelDecodingConfig:
         return {"decoding": self.decoding, **self.settings}
 
     def to_dict(self) -> dict[str, Any]:
-        """The fields, and the settings class the settings are of (``settings_class``, when the decoding is
-        registered)."""
+        """The fields as the file holds them (a ``torch.dtype`` setting by its name), and the settings class the
+        settings are of (``settings_class``, when the decoding is registered). ``ValueError`` naming the field or
+        setting that cannot be saved."""
         from .registry import _REGISTRY, settings_class
 
-        data = dataclasses.asdict(self)
+        self._check_fields()
+        if not isinstance(self.settings, dict):
+            raise ValueError(f"`settings` must be a dict, got {type(self.settings).__name__}.")
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        data["settings"] = {name: _saved_value(name, value) for name, value in self.settings.items()}
         if self.decoding in _REGISTRY:
             data[SETTINGS_CLASS] = _class_path(settings_class(self.decoding))
         return data
 
     def to_json_string(self) -> str:
-        return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
+        return _dumps(self.to_dict())
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ParallelDecodingConfig:
@@ -118,10 +187,13 @@ class ParallelDecodingConfig:
         Unknown top-level keys and unknown settings are dropped with a warning; an unknown decoding
         name is kept with a warning (``generate`` then raises, listing the available ones, unless
         the call passes ``decoding=``). The settings a registered decoding knows are checked by its settings class
-        (a bad value is refused here). Files written before the settings class was recorded load the same way.
+        (a bad value is refused here), and every field as the constructor checks it. Files written before the settings
+        class was recorded load the same way.
         """
         from .registry import _REGISTRY, settings_class
 
+        if not isinstance(data, dict):
+            raise ValueError(f"A parallel decoding config is a dict (a JSON object), got {type(data).__name__}.")
         version = data.get("library_version")
         known = {f.name for f in dataclasses.fields(cls)} | {SETTINGS_CLASS}
         unknown = sorted(k for k in data if k not in known)
@@ -132,6 +204,12 @@ class ParallelDecodingConfig:
         decoding, settings = fields.get("decoding", "jacobi"), fields.get("settings") or {}
         if not isinstance(settings, dict):
             raise ValueError(f"`settings` must be a JSON object, got {type(settings).__name__}.")
+        fields["settings"] = settings
+        config = object.__new__(cls)  # no strict __post_init__ checks: the data came from a file
+        for f in dataclasses.fields(cls):
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            setattr(config, f.name, fields.get(f.name, default))
+        config._check_fields()  # before the registry is asked: a decoding that is not a str cannot be looked up
         if decoding not in _REGISTRY:
             logger.warning("Decoding %r (from hf_paralleldecode %s) is not available in this version.",
                            decoding, version)
@@ -145,24 +223,33 @@ class ParallelDecodingConfig:
             if dropped:
                 logger.warning("Ignoring settings %s of decoding %r unknown to this version (its settings: %s).",
                                dropped, decoding, ", ".join(sorted(typed.names())))
-            fields["settings"] = {k: v for k, v in settings.items() if k not in dropped}
-            typed.from_dict(fields["settings"], decoding=decoding)  # the values, checked as the class checks them
-        config = object.__new__(cls)  # no strict __post_init__ checks: the data came from a file
-        for f in dataclasses.fields(cls):
-            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-            setattr(config, f.name, fields.get(f.name, default))
+            config.settings = _read_settings(typed, {k: v for k, v in settings.items() if k not in dropped})
+            typed.from_dict(config.settings, decoding=decoding)  # the values, checked as the class checks them
         return config
 
     def save_pretrained(self, save_directory: str | os.PathLike, push_to_hub: bool = False, **push_kwargs) -> Path:
+        """Write ``parallel_decoding_config.json`` into ``save_directory`` (created), stamped with this version: checked
+        whole first (``ValueError`` naming what cannot be saved, before any file is written), then written to a
+        temporary file renamed into place, so a failed save leaves the folder as it was."""
         from .version import __version__
 
         save_directory = Path(save_directory)
         if save_directory.is_file():
             raise ValueError(f"save_directory {save_directory} is a file; pass a directory.")
+        text = _dumps({**self.to_dict(), "library_version": __version__})
+        created = not save_directory.exists()
         save_directory.mkdir(parents=True, exist_ok=True)
-        self.library_version = __version__
         path = save_directory / CONFIG_NAME
-        path.write_text(self.to_json_string())
+        tmp = save_directory / f".{CONFIG_NAME}.{uuid.uuid4().hex}.tmp"  # (mkstemp's would keep its 0600 mode)
+        try:
+            tmp.write_text(text)
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            if created:
+                save_directory.rmdir()
+            raise
+        self.library_version = __version__
         if push_to_hub:
             repo_id = push_kwargs.pop("repo_id", None) or save_directory.name
             self.push_to_hub(repo_id, **push_kwargs)
@@ -186,7 +273,10 @@ class ParallelDecodingConfig:
             raise ValueError(f"{path} is not valid JSON: {err}") from None
         if not isinstance(data, dict):
             raise ValueError(f"{path} must hold a JSON object.")
-        return cls.from_dict(data)
+        try:
+            return cls.from_dict(data)
+        except ValueError as err:
+            raise ValueError(f"{path}: {err}") from None
 
     @classmethod
     def exists_in(cls, directory: str | os.PathLike) -> bool:
@@ -197,9 +287,9 @@ class ParallelDecodingConfig:
         from huggingface_hub import HfApi
 
         api = HfApi(token=kwargs.pop("token", None))
-        api.create_repo(repo_id, exist_ok=True, private=kwargs.pop("private", None))
         with tempfile.TemporaryDirectory() as tmp:
-            path = self.save_pretrained(tmp)
+            path = self.save_pretrained(tmp)  # checked before the repo is created
+            api.create_repo(repo_id, exist_ok=True, private=kwargs.pop("private", None))
             info = api.upload_file(
                 path_or_fileobj=str(path), path_in_repo=CONFIG_NAME, repo_id=repo_id,
                 commit_message=commit_message, **kwargs,

@@ -16,6 +16,13 @@ What a call can get (``engine/support.py``; the table is ``docs/generate-argumen
     steps aside and stock ``generate`` runs (info log). ``stop_strings`` are turned into a
     ``StopStringCriteria`` here, from ``tokenizer=``, which transformers does not hand a callable.
 
+Saving
+    ``save_pretrained`` writes the target, and besides it the attached ``ParallelDecodingConfig`` and drafter (a
+    bundle). The whole checkpoint is checked before any file is written (the config's fields and settings must be
+    ones its JSON file holds, the drafter's kind must save itself), then written into a temporary folder beside
+    the target folder and moved into place: a save that fails leaves the folder as it was, never a checkpoint
+    without its decoding config.
+
 Pickling
     The swapped class is made per original class at run time, so pickle cannot find it by name. An
     enabled model pickles as its original class plus "enable me again": ``pickle``, ``copy.deepcopy``
@@ -30,7 +37,13 @@ Streamer
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import logging
+import os
+import shutil
+import uuid
+from pathlib import Path
 
 import torch
 
@@ -115,24 +128,88 @@ class ParallelDecodingMixin:
 
         With a draft head attached the directory becomes a *bundle*: the head goes to
         ``drafter/`` and the config names it, so :func:`hf_paralleldecode.load_model` restores both
-        (``push_to_hub`` saves through this method, so it pushes the bundle).
-        """
-        import dataclasses
-        import os
+        (``push_to_hub``, and ``push_to_hub=True`` here, push the bundle).
 
-        out = super().save_pretrained(save_directory, *args, **kwargs)
+        The checkpoint is checked whole before any file is written (``ValueError`` naming the fix: a setting JSON
+        cannot hold, a drafter kind that cannot save itself), then written into a temporary folder beside
+        ``save_directory`` and moved into place: a save that fails leaves ``save_directory`` as it was.
+        """
+        config, drafter = self._checked_bundle()
+        if not kwargs.get("is_main_process", True):  # the main process writes the files
+            return super().save_pretrained(save_directory, *args, **kwargs)
+        push = kwargs.pop("push_to_hub", False)
+        hub = {k: kwargs.pop(k) for k in _PUSH_ARGUMENTS if k in kwargs}
+        with _staged(save_directory) as stage:
+            out = super().save_pretrained(stage, *args, **kwargs)
+            if drafter is not None:
+                drafter.save_pretrained(stage / BUNDLE_DRAFTER_DIR)
+            if config is not None:
+                config.save_pretrained(stage)
+        if push:
+            repo_id = hub.pop("repo_id", None) or Path(os.path.abspath(save_directory)).name
+            self.push_to_hub(repo_id, token=kwargs.get("token"), **hub)
+        return out
+
+    def push_to_hub(self, *args, **kwargs):
+        """Stock ``push_to_hub`` of what :meth:`save_pretrained` writes (the bundle), checked before the repo is
+        created."""
+        self._checked_bundle()
+        return super().push_to_hub(*args, **kwargs)
+
+    def _checked_bundle(self):
+        """``(config, drafter)`` that a save writes beside the target (the config naming the bundle's drafter
+        folder), each ``None`` when there is none; ``ValueError`` naming the fix when one cannot be saved."""
+        from .config import ParallelDecodingConfig
+
         config = getattr(self, "parallel_decoding_config", None)
         drafter = attached_drafter(self)
+        if config is not None and not isinstance(config, ParallelDecodingConfig):
+            raise ValueError(f"model.parallel_decoding_config must be a hf_paralleldecode.ParallelDecodingConfig, got "
+                             f"{type(config).__name__}: set ParallelDecodingConfig(decoding, settings), or delete the "
+                             "attribute to save the model without one.")
         if drafter is not None:
-            drafter.save_pretrained(os.path.join(save_directory, BUNDLE_DRAFTER_DIR))
-            config = dataclasses.replace(config, drafter=BUNDLE_DRAFTER_DIR) if config is not None else None
+            drafter.check_saveable()
+            if config is not None:
+                config = copy.copy(config)  # the model's own config is left as it is
+                config.drafter = BUNDLE_DRAFTER_DIR
         if config is not None:
-            config.save_pretrained(save_directory)
-        return out
+            config.to_dict()  # a field or setting its file cannot hold
+        return config, drafter
 
 
 #: folder of a bundle's draft head, next to the target's weights
 BUNDLE_DRAFTER_DIR = "drafter"
+#: the ``save_pretrained`` arguments that only concern ``push_to_hub=True``
+_PUSH_ARGUMENTS = ("repo_id", "commit_message", "commit_description", "private", "create_pr", "revision", "tags")
+
+
+@contextlib.contextmanager
+def _staged(save_directory):
+    """A new folder beside ``save_directory`` to write a checkpoint into: moved into place when the block ends (its
+    files and folders replace those of the same name), removed when it raises (``save_directory`` is left as it
+    was, and not created)."""
+    final = Path(os.path.abspath(save_directory))
+    if final.is_file():
+        raise ValueError(f"save_directory {save_directory} is a file; pass a directory.")
+    final.parent.mkdir(parents=True, exist_ok=True)
+    stage = final.parent / f".{final.name}.{uuid.uuid4().hex}.saving"  # (mkdtemp's would keep its 0700 mode)
+    stage.mkdir()
+    try:
+        yield stage
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    if not final.exists():
+        stage.rename(final)
+        return
+    for entry in stage.iterdir():
+        dest = final / entry.name
+        if dest.is_dir() and not dest.is_symlink():
+            shutil.rmtree(dest)  # a folder of the checkpoint (a bundle's drafter/) is replaced whole
+        elif entry.is_dir() and (dest.exists() or dest.is_symlink()):
+            dest.unlink()
+        os.replace(entry, dest)
+    stage.rmdir()
 
 
 def _stop_strings_to_criteria(model, kwargs: dict) -> None:

@@ -77,6 +77,9 @@ def load_model(
 
     if from_pretrained_kwargs.get("use_safetensors") is False:
         raise ValueError("hf_paralleldecode only reads safetensors weights; drop use_safetensors=False.")
+    if decoding_config is not None and not isinstance(decoding_config, ParallelDecodingConfig):
+        raise ValueError(f"`decoding_config` must be a ParallelDecodingConfig (ParallelDecodingConfig(decoding, settings) "
+                         f"or ParallelDecodingConfig.from_pretrained(folder)), got {type(decoding_config).__name__}.")
     from_pretrained_kwargs["use_safetensors"] = True
     hub_kwargs = {k: from_pretrained_kwargs[k] for k in ("revision", "token") if k in from_pretrained_kwargs}
     model = AutoModelForCausalLM.from_pretrained(

@@ -41,6 +41,8 @@ import warnings
 
 import torch
 
+from .engine.settings import check_int_setting
+
 __all__ = ["TwinShape", "TWIN_SHAPES", "cost_twin", "twin_shape", "TWIN_ARCHITECTURES", "twin_of", "embedded_twin"]
 
 #: model types whose decoder layers are the pre-norm Llama layout this module widens
@@ -62,9 +64,11 @@ class TwinShape:
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            if field.name != "like" and (not isinstance(value, int) or value <= 0):
-                raise ValueError(f"TwinShape.{field.name} must be a positive integer, got {value!r}.")
+            if field.name != "like":  # a bool is not a size: True would be a width of 1
+                check_int_setting(f"TwinShape.{field.name}", getattr(self, field.name), 1)
+        if not isinstance(self.like, str):
+            raise ValueError(f"`TwinShape.like` must be a string (the real model of that shape, for records), got "
+                             f"{self.like!r} ({type(self.like).__name__}).")
 
 
 #: named shapes: the projection sizes of real models (the vocabulary stays the source's)
@@ -131,12 +135,21 @@ def cost_twin(model, shape="1b", *, dtype: torch.dtype | None = None, device=Non
     (an 8B twin in bf16 needs 16 GB there, nothing on the host). The twin is enabled
     (``generate(decoding=...)``) and carries the source's decoding config and its token-level drafter.
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, PreTrainedModel
 
     from .integration import attach_drafter, attached_drafter, enable
 
+    if not isinstance(model, PreTrainedModel):
+        raise ValueError(
+            f"cost_twin takes a transformers causal LM of the pre-norm Llama layout ({', '.join(TWIN_ARCHITECTURES)}: "
+            "AutoModelForCausalLM.from_pretrained(...) or hf_paralleldecode.load_model(...)), got "
+            f"{type(model).__name__}. For an embedded model by name, use embedded_twin(name, shape).")
     if dead_weights not in ("random", "zeros"):
         raise ValueError(f"dead_weights must be 'random' or 'zeros', not {dead_weights!r}.")
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise ValueError(f"`dtype` must be a torch.dtype (torch.float32, torch.bfloat16, ...) or None (the source's), "
+                         f"got {dtype!r} ({type(dtype).__name__}).")
+    check_int_setting("seed", seed, 0)
     shape = twin_shape(shape)
     src = model.config
     model_type = getattr(src, "model_type", None)

@@ -11,6 +11,7 @@ from models import prompts, tiny_model
 
 import hf_paralleldecode as hfpd
 from hf_paralleldecode.config import CONFIG_NAME, ParallelDecodingConfig
+from hf_paralleldecode.drafters.base import Drafter
 
 pytestmark = pytest.mark.core  # the equivalence core: also run on the floor of the tested range (.ci/run)
 
@@ -204,6 +205,11 @@ def test_loader_refuses_pickle_weights(tmp_path):
         hfpd.load_model(tmp_path, use_safetensors=False)
 
 
+def test_loader_refuses_a_decoding_config_that_is_not_one(tmp_path):
+    with pytest.raises(ValueError, match="`decoding_config` must be a ParallelDecodingConfig.*got dict"):
+        hfpd.load_model(tmp_path, decoding_config={"decoding": "jacobi"})
+
+
 def test_import_is_cheap():
     import subprocess
     import sys
@@ -299,3 +305,148 @@ def test_the_library_version_is_the_packages():
 
     pyproject = (Path(__file__).resolve().parent.parent / "pyproject.toml").read_text()
     assert re.search(r'^version = "([^"]+)"', pyproject, re.M).group(1) == hfpd.__version__
+
+
+# ---- saving checkpoints: checked whole before any file, written atomically ------------------------------------
+def _files(folder):
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*")) if folder.exists() else None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, "bfloat16", "target"])
+def test_a_torch_dtype_setting_is_saved_as_its_name_and_read_back_as_the_dtype(dtype, tmp_path):
+    model = hfpd.enable(tiny_model("llama"))
+    model.parallel_decoding_config = ParallelDecodingConfig("speculative", {"drafter_dtype": dtype, "tree_budget": 4})
+    model.save_pretrained(tmp_path / "ckpt")
+    data = json.loads((tmp_path / "ckpt" / CONFIG_NAME).read_text())
+    probe = tmp_path / "probe"  # the modes a plain mkdir and write give (a temporary folder's 0700 is not kept)
+    probe.mkdir()
+    (probe / "file").write_text("")
+    assert (tmp_path / "ckpt").stat().st_mode == probe.stat().st_mode
+    assert (tmp_path / "ckpt" / CONFIG_NAME).stat().st_mode == (probe / "file").stat().st_mode
+    name = str(dtype).removeprefix("torch.")
+    assert data["settings"] == {"drafter_dtype": name, "tree_budget": 4}
+    loaded = hfpd.load_model(tmp_path / "ckpt").parallel_decoding_config
+    want = getattr(torch, name) if name != "target" else "target"
+    assert loaded.settings == {"drafter_dtype": want, "tree_budget": 4}
+    assert loaded.strategy_settings.drafter_dtype == want
+    assert ParallelDecodingConfig.from_pretrained(ParallelDecodingConfig(
+        "speculative", {"drafter_dtype": dtype}).save_pretrained(tmp_path / "alone")).settings["drafter_dtype"] == want
+
+
+class _PlainModuleDrafter(Drafter):
+    """A drafter kind that is a plain ``torch.nn.Module``: no ``save_pretrained`` of its own."""
+
+    kind = "test_plain_module"
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(2, 2)
+
+    def check_target(self, target, tokenizer=None):
+        pass
+
+    def start(self, context, depth, denoise_steps=None):
+        raise NotImplementedError
+
+
+def _unsaveable_setting():
+    """A strategy registered without a settings class whose setting takes any object (its signature is its schema)."""
+    def mine(model, input_ids, logits_processor, stopping_criteria, generation_config, anchor=None, **kw):
+        return input_ids
+
+    return mine
+
+
+@pytest.mark.parametrize("case", ["plain-module drafter", "setting not JSON", "config's own save", "drafter's own save",
+                                  "push_to_hub", "config's push_to_hub", "not a config"])
+def test_an_unsaveable_checkpoint_is_refused_before_any_file_is_written(case, tmp_path):
+    """Checked whole before anything is written (the hub pushes: before the repo is created, no network here)."""
+    from pathlib import Path
+
+    from hf_paralleldecode import registry
+
+    target = tmp_path / "ckpt"
+    target.mkdir()
+    (target / "tokenizer.json").write_text("{}")  # what was there before stays, and nothing is added
+    model = hfpd.enable(tiny_model("llama"))
+    model.parallel_decoding_config = ParallelDecodingConfig("jacobi", {"block_size": 4})
+    hfpd.register_decoding("test_unsaveable", _unsaveable_setting())
+    try:
+        if case in ("plain-module drafter", "push_to_hub"):
+            hfpd.integration.attach_drafter(model, _PlainModuleDrafter())
+            save = (lambda: model.save_pretrained(target)) if case != "push_to_hub" else \
+                (lambda: model.push_to_hub("nobody/unsaveable"))
+            match = "test_plain_module.*save_pretrained"
+        elif case == "drafter's own save":
+            save, match = lambda: _PlainModuleDrafter().save_pretrained(target), "test_plain_module.*save_pretrained"
+        elif case == "not a config":
+            model.parallel_decoding_config = {"decoding": "jacobi"}
+            save, match = lambda: model.save_pretrained(target), "must be a hf_paralleldecode.ParallelDecodingConfig"
+        else:
+            config = ParallelDecodingConfig("test_unsaveable", {"anchor": Path("x")})
+            model.parallel_decoding_config = config
+            save = {"setting not JSON": lambda: model.save_pretrained(target),
+                    "config's own save": lambda: config.save_pretrained(target),
+                    "config's push_to_hub": lambda: config.push_to_hub("nobody/unsaveable")}[case]
+            match = "`anchor`.*JSON"
+        with pytest.raises(ValueError, match=match):
+            save()
+    finally:
+        registry._REGISTRY.pop("test_unsaveable")
+    assert _files(target) == ["tokenizer.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no temporary folder left beside it
+
+
+def test_a_save_that_fails_while_writing_leaves_the_folder_as_it_was(tmp_path, monkeypatch):
+    model = hfpd.enable(tiny_model("llama"))
+    model.parallel_decoding_config = ParallelDecodingConfig("speculative", {"tree_budget": 4})
+    head = hfpd.DraftHead.for_target(model, num_hidden_layers=1, block_size=2)
+    hfpd.integration.attach_drafter(model, head)
+    model.save_pretrained(tmp_path / "ckpt")  # a bundle saved before
+    before = {p: p.read_bytes() for p in (tmp_path / "ckpt").rglob("*") if p.is_file()}
+
+    def disk_full(self, save_directory, *args, **kwargs):
+        from pathlib import Path
+
+        Path(save_directory).mkdir(parents=True, exist_ok=True)
+        (Path(save_directory) / "model.safetensors").write_bytes(b"half")
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(type(head), "save_pretrained", disk_full)
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)
+    with pytest.raises(OSError, match="No space"):
+        model.save_pretrained(tmp_path / "ckpt")
+    assert {p: p.read_bytes() for p in (tmp_path / "ckpt").rglob("*") if p.is_file()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    with pytest.raises(OSError, match="No space"):
+        model.save_pretrained(tmp_path / "new")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # a new folder is not created at all
+    monkeypatch.undo()
+    model.save_pretrained(tmp_path / "ckpt")  # saving over a bundle replaces it
+    loaded = hfpd.load_model(tmp_path / "ckpt")
+    assert loaded.parallel_decoding_config == ParallelDecodingConfig("speculative", {"tree_budget": 4}, drafter="drafter",
+                                                                     library_version=hfpd.__version__)
+    assert torch.equal(next(loaded.parameters()), next(model.parameters()))
+
+
+@pytest.mark.parametrize("data, match", [
+    ({"decoding": ["jacobi"]}, "`decoding` must be .*str.*got \\['jacobi'\\]"),
+    ({"decoding": None}, "`decoding` must be"),
+    ({"decoding": "jacobi", "drafter": 5}, "`drafter` must be a folder, path or repo id"),
+    ({"decoding": "jacobi", "base_model_name_or_path": 3}, "`base_model_name_or_path` must be"),
+    ({"decoding": "jacobi", "library_version": [0]}, "`library_version` must be"),
+    ({"decoding": "jacobi", "settings": [1]}, "`settings` must be"),
+    ({"decoding": "speculative", "settings": {"drafter": "default-jetspec"}}, "Name the draft head with `drafter=`"),
+    ({"decoding": "jacobi", "settings": {"block_size": True}}, "block_size"),
+    ({"decoding": "speculative", "settings": {"drafter_dtype": "int8"}}, "drafter_dtype"),
+])
+def test_a_loaded_config_is_checked_as_the_constructor_checks_it(data, match, tmp_path):
+    with pytest.raises(ValueError, match=match):
+        ParallelDecodingConfig.from_dict(data)
+    (tmp_path / CONFIG_NAME).write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=match):
+        ParallelDecodingConfig.from_pretrained(tmp_path)
+    if "drafter" not in json.dumps(data.get("settings")):  # the constructor refuses the same (strictly)
+        with pytest.raises(ValueError, match=match):
+            ParallelDecodingConfig(**data)

@@ -140,7 +140,7 @@ def test_twin_shape_names_and_errors():
         twin_shape("2b")
     with pytest.raises(TypeError, match="Unknown TwinShape field"):
         twin_shape(dict(hidden=1))
-    with pytest.raises(ValueError, match="positive integer"):
+    with pytest.raises(ValueError, match="`TwinShape.hidden_size` must be >= 1, got 0"):
         TwinShape(0, 1, 1, 1, 1)
     with pytest.raises(ValueError, match="dead_weights"):
         cost_twin(tiny_model("llama"), _shape("llama"), dead_weights="ones")
@@ -162,3 +162,31 @@ def test_twin_saves_and_reloads(tmp_path):
     with torch.no_grad():
         assert torch.allclose(back(input_ids=ids, attention_mask=mask).logits,
                               model(input_ids=ids, attention_mask=mask).logits, atol=1e-4)
+
+
+@pytest.mark.parametrize("bad", [True, False, 4.0, "64", None])
+@pytest.mark.parametrize("field", ["hidden_size", "intermediate_size", "num_hidden_layers", "q_width", "kv_width"])
+def test_a_twin_shape_takes_positive_integers_only(field, bad):
+    """A bool is not a size (``True`` would build a twin of hidden size 1), nor a float or a string."""
+    sizes = dict(hidden_size=96, intermediate_size=200, num_hidden_layers=4, q_width=96, kv_width=48)
+    with pytest.raises(ValueError, match=f"`TwinShape.{field}` must be an integer >= 1, got {bad!r}"):
+        TwinShape(**{**sizes, field: bad})
+    with pytest.raises(ValueError, match=f"`TwinShape.{field}`"):
+        cost_twin(tiny_model("llama"), {**sizes, field: bad})
+    with pytest.raises(ValueError, match="`TwinShape.like` must be a string"):
+        TwinShape(**sizes, like=1)
+
+
+@pytest.mark.parametrize("model", [object(), None, torch.nn.Linear(2, 2), "default"], ids=["object", "None", "module",
+                                                                                        "str"])
+def test_cost_twin_takes_a_transformers_causal_lm(model):
+    with pytest.raises(ValueError, match="cost_twin takes a transformers causal LM .*got"):
+        cost_twin(model, "1b")
+
+
+@pytest.mark.parametrize("kwargs, match", [(dict(dtype="bfloat16"), "`dtype` must be a torch.dtype"),
+                                           (dict(seed=True), "`seed` must be an integer"),
+                                           (dict(seed=-1), "`seed` must be >= 0")])
+def test_cost_twin_checks_its_other_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        cost_twin(tiny_model("llama"), _shape("llama"), **kwargs)

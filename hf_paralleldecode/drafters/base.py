@@ -102,11 +102,23 @@ class Drafter(nn.Module):
     def save_pretrained(self, save_directory, *args, **kwargs):
         """Save the drafter where :func:`~.loading.load_drafter` reads it back (a bundle's ``drafter/``): the model
         class's own ``save_pretrained`` (transformers' for a ``PreTrainedModel`` kind), else the kind defines it."""
-        parent = getattr(super(), "save_pretrained", None)
-        if parent is None:
-            raise NotImplementedError(f"A {self.describe()} cannot be saved: its kind defines no "
-                                      "save_pretrained(save_directory).")
-        return parent(save_directory, *args, **kwargs)
+        self.check_saveable()
+        return super().save_pretrained(save_directory, *args, **kwargs)
+
+    def check_saveable(self) -> None:
+        """``ValueError`` naming the fix when :meth:`save_pretrained` cannot save this drafter (a kind that is a plain
+        ``torch.nn.Module`` and defines none); every save runs it before it writes any file (an enabled model's
+        bundle too)."""
+        defined = type(self).save_pretrained
+        if defined is not Drafter.save_pretrained and defined is not CardSaving.save_pretrained:
+            return  # the kind writes its own checkpoint
+        if getattr(super(), "save_pretrained", None) is None:
+            raise ValueError(
+                f"A {self.describe()} ({type(self).__name__}) cannot be saved: its kind is a torch.nn.Module that "
+                "defines no save_pretrained(save_directory), and a checkpoint without its drafter would not load back "
+                "as saved. Define save_pretrained(save_directory) on the kind (writing a folder one of its FORMATS "
+                "reads back), or make it a transformers PreTrainedModel; to save the model alone, save it before "
+                "attaching the drafter.")
 
     # ---- where it runs ------------------------------------------------------------------------------
     @property
@@ -421,10 +433,11 @@ class CardSaving:
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         kwargs["safe_serialization"] = True
-        out = super().save_pretrained(save_directory, *args, **kwargs)
         readme = Path(save_directory) / "README.md"
-        if not readme.exists():
-            readme.write_text(self.model_card())
+        card = None if readme.exists() else self.model_card()  # before any file is written
+        out = super().save_pretrained(save_directory, *args, **kwargs)
+        if card is not None:
+            readme.write_text(card)
         return out
 
     def push_to_hub(self, repo_id: str, commit_message: str | None = None, private: bool | None = None, token=None,
