@@ -82,6 +82,50 @@ def _parse_value(text: str):
     return {"true": True, "false": False}.get(text.lower(), text)
 
 
+#: how ``name:key=value`` writes a setting's ``None``
+_NONE_TEXTS = ("None", "none")
+
+
+def _setting_type(settings_cls, key: str) -> tuple[type | None, bool]:
+    """``(bool, int, float or str: the setting's one simple type, else None; whether its type admits None)``."""
+    import types
+    import typing
+
+    try:
+        hint = typing.get_type_hints(settings_cls).get(key, typing.Any) if settings_cls is not None else typing.Any
+    except Exception:  # noqa: BLE001 - an annotation that does not resolve here: any value
+        hint = typing.Any
+    if hint is typing.Any:
+        return None, True
+    args = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    rest = [a for a in args if a is not type(None)]
+    return (rest[0] if len(rest) == 1 and rest[0] in (bool, int, float, str) else None), len(rest) < len(args)
+
+
+def _parse_setting(settings_cls, key: str, text: str):
+    """The value ``text`` writes for setting ``key`` of ``settings_cls`` (``None``: a stock peer's argument):
+    ``None`` / ``none`` is ``None`` where the setting's type admits it and refused where it does not; a bool, int,
+    float or str setting gets that type when the text reads as one (else the generic reading, which the settings'
+    own check then refuses naming the setting)."""
+    simple, admits_none = _setting_type(settings_cls, key)
+    if text in _NONE_TEXTS:
+        if admits_none:
+            return None
+        default = settings_cls.defaults().get(key)
+        raise ValueError(f"`{key}` does not take None (default {default!r}): write a value, or leave it out "
+                         "for its default.")
+    if simple is str:
+        return text
+    if simple is bool:
+        return {"true": True, "false": False}.get(text.lower(), text)
+    if simple in (int, float):
+        try:
+            return simple(text)
+        except ValueError:
+            pass
+    return _parse_value(text)
+
+
 @dataclass(frozen=True)
 class StockPeer:
     """An in-ecosystem peer: stock ``generate`` with ``defaults`` (plus what ``prepare`` builds).
@@ -129,7 +173,7 @@ STOCK_PEERS = {
 
 def parse_strategy(text: str) -> StrategySpec:
     """``name:key=value,...``: a registered decoding, or a stock peer (``transformers_prompt_lookup``)."""
-    from .registry import available_decodings
+    from .registry import available_decodings, settings_class, unknown_settings_hint
 
     name, _, rest = text.partition(":")
     if name not in STOCK_PEERS and name not in available_decodings():
@@ -137,17 +181,19 @@ def parse_strategy(text: str) -> StrategySpec:
             f"Unknown strategy {name!r}. Available decodings: {', '.join(available_decodings())}; "
             f"stock peers: {', '.join(STOCK_PEERS)}."
         )
+    cls = None if name in STOCK_PEERS else settings_class(name)  # a peer's settings are generate arguments
     settings = {}
     for item in filter(None, rest.split(",")):
         key, eq, value = item.partition("=")
         if not eq:
             raise ValueError(f"Bad strategy setting {item!r} in {text!r}: write key=value.")
-        settings[key.strip()] = _parse_value(value.strip())
-    if name not in STOCK_PEERS:  # a peer's settings are transformers' generate arguments
-        from .registry import settings_class, unknown_settings_hint
-
-        known = sorted(settings_class(name).names())
-        unknown = settings_class(name).unknown(settings)
+        try:
+            settings[key.strip()] = _parse_setting(cls, key.strip(), value.strip())
+        except ValueError as err:
+            raise ValueError(f"Bad strategy setting {item!r} in {text!r}: {err}") from None
+    if cls is not None:
+        known = sorted(cls.names())
+        unknown = cls.unknown(settings)
         if unknown:
             raise ValueError(f"Unknown setting(s) {unknown} of strategy {name!r} in {text!r}"
                              f"{unknown_settings_hint(unknown, known)}. Its settings: {', '.join(known)}.")
@@ -384,6 +430,24 @@ def _count_generated(gen: torch.Tensor, pad, eos) -> int:
     return total
 
 
+def check_generation_length(model, max_new_tokens: int, prompt_length: int) -> None:
+    """Refuse (``ValueError``), before anything runs, a ``max_new_tokens`` that is not an integer >= 1 or that takes
+    the longest prompt batch (``prompt_length`` tokens, padding included) past the model's positions: such a run would
+    go on until killed (stock generate past the positions, and every strategy after it)."""
+    from .engine.settings import check_int_setting, model_positions
+
+    check_int_setting("max_new_tokens", max_new_tokens, 1)
+    positions = model_positions(model)
+    if positions is None or prompt_length + max_new_tokens <= positions:
+        return
+    room = positions - prompt_length
+    fix = (f"Lower --max-new-tokens (max_new_tokens) to at most {room}." if room >= 1 else
+           "The prompts alone fill them: use shorter prompts.")
+    raise ValueError(f"max_new_tokens={max_new_tokens} (--max-new-tokens) is more than {type(model).__name__} can "
+                     f"generate: prompt + new tokens must fit its {positions} positions (max_position_embeddings), "
+                     f"and the longest prompt batch has {prompt_length} tokens. {fix}")
+
+
 def run_benchmark(
     model,
     tokenizer,
@@ -449,6 +513,7 @@ def run_benchmark(
     # templated text holds the template's special tokens already
     encoded = [tokenizer(b, return_tensors="pt", padding=True, add_special_tokens=prompt_format != "chat_template")
                .to(device) for b in batches]
+    check_generation_length(model, max_new_tokens, max((e["input_ids"].shape[1] for e in encoded), default=0))
     entries: list[StrategySpec | None] = [None, *strategies]
     labels = ["ar", *[s.label for s in strategies]]
     timer = _ForwardTimer(model)

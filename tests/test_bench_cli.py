@@ -475,3 +475,96 @@ def test_the_modeled_cost_script_runs_the_bench_on_a_forward_grid(tmp_path, monk
         assert entry["seconds"] == pytest.approx(8.0, rel=0.05)
         assert entry["decode_tokens_per_second"] == pytest.approx(6 / 6.0, rel=0.05)  # 3 decode forwards, 6 tokens
     assert "step_traces" in report["results"]["speculative(max_step_tokens=1)"]
+
+
+# ---- issue 64 (day-one round 5): `name:key=None` is a setting's None where its type admits it ---------------------
+def _every_type_strategy():
+    """A registered strategy with a setting of every simple type, each with and without None."""
+    from dataclasses import dataclass, field
+
+    import hf_paralleldecode as hfpd
+
+    @dataclass
+    class EveryType(hfpd.StrategySettings):
+        flag: bool = field(default=True, metadata={"help": "a bool"})
+        ratio: float = field(default=0.5, metadata={"help": "a float"})
+        count: int = field(default=2, metadata={"help": "an int", "minimum": 1})
+        mode: str = field(default="fast", metadata={"help": "a str", "choices": ("fast", "16")})
+        name: str = field(default="x", metadata={"help": "any str"})
+        maybe_flag: bool | None = field(default=None, metadata={"help": "a bool or None"})
+        maybe_ratio: float | None = field(default=None, metadata={"help": "a float or None"})
+        maybe_count: int | None = field(default=None, metadata={"help": "an int or None", "minimum": 1})
+        maybe_name: str | None = field(default=None, metadata={"help": "a str or None"})
+
+    return hfpd.decoding_strategy("test_every_type", EveryType, lambda model, settings, call: None)
+
+
+@pytest.fixture
+def every_type():
+    from hf_paralleldecode import registry
+
+    strategy = _every_type_strategy()
+    registry.register_decoding("test_every_type", strategy)
+    yield strategy.settings_class
+    registry._REGISTRY.pop("test_every_type")
+
+
+def test_cli_day_one_none_is_the_none_of_a_setting_whose_type_admits_it():
+    assert parse_strategy("jacobi:block_size=None").settings == {"block_size": None}
+    assert parse_strategy("jacobi:block_size=none,max_step_tokens=None").settings == {"block_size": None,
+                                                                                     "max_step_tokens": None}
+    assert parse_strategy("speculative:drafter=None").settings == {"drafter": None}  # a type beyond the simple ones
+    assert parse_strategy("jacobi:block_size=None").label == "jacobi(block_size=None)"
+
+
+def test_cli_day_one_every_setting_type_parses_to_its_type_and_none_only_where_admitted(every_type):
+    spec = parse_strategy("test_every_type:flag=False,ratio=1,count=3,mode=16,name=007,maybe_flag=true,"
+                          "maybe_ratio=2,maybe_count=4,maybe_name=None")
+    assert spec.settings == dict(flag=False, ratio=1.0, count=3, mode="16", name="007", maybe_flag=True,
+                                 maybe_ratio=2.0, maybe_count=4, maybe_name=None)
+    assert type(spec.settings["ratio"]) is float and type(spec.settings["maybe_ratio"]) is float
+    every_type(**spec.settings)  # the settings class takes every parsed value
+    none = parse_strategy("test_every_type:maybe_flag=None,maybe_ratio=none,maybe_count=None,maybe_name=none")
+    assert none.settings == dict(maybe_flag=None, maybe_ratio=None, maybe_count=None, maybe_name=None)
+    for key, default in [("flag", "True"), ("ratio", "0.5"), ("count", "2"), ("mode", "'fast'"), ("name", "'x'")]:
+        with pytest.raises(ValueError, match=rf"`{key}` does not take None \(default {default}\).*leave it out"):
+            parse_strategy(f"test_every_type:{key}=None")
+
+
+def test_cli_day_one_bench_refuses_none_for_a_setting_without_it_before_the_model_loads(capsys, monkeypatch):
+    monkeypatch.setattr(cli, "_load", lambda args: pytest.fail("the model loaded before the settings were parsed"))
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", "--model", "random-tiny", "--strategies", "jacobi:adaptive=None", "--repeats", "1",
+                  "--num-prompts", "1", "--max-new-tokens", "4", "--output-dir", ""])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "`adaptive` does not take None (default True)" in err
+
+
+def test_cli_day_one_bench_runs_a_none_setting_as_its_default(tmp_path, capsys):
+    code = cli.main(["bench", "--model", "random-tiny", "--num-prompts", "1", "--max-new-tokens", "4", "--repeats",
+                     "1", "--strategies", "jacobi:block_size=None", "--output-dir", str(tmp_path / "o")])
+    assert code == 0 and "jacobi(block_size=None)" in capsys.readouterr().out
+
+
+def test_a_generation_longer_than_the_model_has_positions_is_refused_before_anything_runs(tmp_path, capsys):
+    """``--max-new-tokens 10**12`` on a model with 2,048 positions ran until killed."""
+    from models import ForwardRecorder
+
+    model = tiny_model("llama")  # 512 positions
+    rec = ForwardRecorder(model)
+    try:
+        with pytest.raises(ValueError, match=r"max_new_tokens=1000000000000.*512 positions.*at most 50[0-9]"):
+            run_benchmark(model, word_tokenizer(), ["t5 t6 t7", "t9 t10 t9 t10"], [parse_strategy("jacobi")],
+                          max_new_tokens=10**12, repeats=1, progress=False)
+        with pytest.raises(ValueError, match=r"max_new_tokens=509 .*512 positions.*at most 50[0-9]"):
+            run_benchmark(model, word_tokenizer(), ["t5 t6 t7", "t9 t10 t9 t10"], [parse_strategy("jacobi")],
+                          max_new_tokens=509, repeats=1, batch_size=2, progress=False)
+    finally:
+        rec.restore()
+    assert rec.calls == []
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "def f(x):\\n    return"}\n')
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", "--model", "random-tiny", "--prompts", str(prompts), "--max-new-tokens", str(10**12),
+                  "--repeats", "1", "--strategies", "jacobi:block_size=4", "--output-dir", ""])
+    assert exc.value.code == 2 and "--max-new-tokens" in capsys.readouterr().err

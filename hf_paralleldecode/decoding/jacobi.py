@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..engine.run import Proposer, decode_call
-from ..engine.settings import StrategySettings, decoding_strategy
+from ..engine.settings import NEW_TOKENS, SEED_MAX, StrategySettings, decoding_strategy
 from ..engine.tree import chain_tree, root_tree
 from .policy import batch_policy, check_policy_settings, shapes_from
 
@@ -52,7 +52,8 @@ class JacobiSettings(StrategySettings):
     block_size: int | None = field(
         default=None,
         metadata={"help": "n, the number of tokens iterated in parallel (1 = ordinary greedy decoding; default: the "
-                          "device preset, 16 on CPU, see :func:`hf_paralleldecode.hardware_preset`).", "minimum": 1},
+                          "device preset, 16 on CPU, see :func:`hf_paralleldecode.hardware_preset`). At most "
+                          "``max_new_tokens``: a larger block is lowered to it.", "minimum": 1, "bound": NEW_TOKENS},
     )
     jacobi_init: str = field(
         default="random_context",
@@ -60,7 +61,8 @@ class JacobiSettings(StrategySettings):
                           "the module docstring). Changes speed only, never the output.", "choices": JACOBI_INITS},
     )
     jacobi_seed: int = field(
-        default=0, metadata={"help": 'seed of the generator used by ``"random_context"``.', "minimum": 0},
+        default=0, metadata={"help": 'seed of the generator used by ``"random_context"`` (0 to 2**64 - 1).',
+                             "minimum": 0, "maximum": SEED_MAX},
     )
     adaptive: bool = field(
         default=True,

@@ -41,7 +41,15 @@ import torch
 
 from ..engine.ngram_pool import NgramPool
 from ..engine.run import decode_call
-from ..engine.settings import StrategySettings, decoding_strategy
+from ..engine.settings import (
+    CALL_LENGTH,
+    NEW_TOKENS,
+    NGRAM_TOKENS,
+    SEED_MAX,
+    STEP_TOKENS,
+    StrategySettings,
+    decoding_strategy,
+)
 from ..hardware import CPU_DEFAULTS, GPU_DEFAULTS  # noqa: F401 - the presets' old home
 from .policy import batch_policy, check_policy_settings, shapes_from
 from .prompt_lookup import CONTEXT, GUESSES, POOL, ComposedTreeProposer
@@ -68,11 +76,13 @@ class JacobiForcingSettings(StrategySettings):
     block_size: int | None = field(
         default=None,
         metadata={"help": "n, positions per block (default: 64 on CUDA, ``CPU_DEFAULTS`` on CPU). Every ``None`` below "
-                          "is the device preset too (``GPU_DEFAULTS`` / ``CPU_DEFAULTS``).", "minimum": 1},
+                          "is the device preset too (``GPU_DEFAULTS`` / ``CPU_DEFAULTS``).", "minimum": 1,
+                  "bound": NEW_TOKENS},
     )
     num_blocks: int | None = field(
         default=None,
-        metadata={"help": "K, blocks in flight (1 real-active + up to K - 1 pseudo-active).", "minimum": 1},
+        metadata={"help": "K, blocks in flight (1 real-active + up to K - 1 pseudo-active).", "minimum": 1,
+                  "bound": NEW_TOKENS},
     )
     activation_ratio: float | None = field(
         default=None,
@@ -82,31 +92,35 @@ class JacobiForcingSettings(StrategySettings):
     pool_size: int | None = field(
         default=None,
         metadata={"help": "recycled n-gram candidates verified per step (0 disables rejection recycling).",
-                  "minimum": 0},
+                  "minimum": 0, "bound": CALL_LENGTH},
     )
     ngram_size: int | None = field(
-        default=None, metadata={"help": "length of recycled n-grams (default: ``max(block_size, 2)``).", "minimum": 2},
+        default=None, metadata={"help": "length of recycled n-grams (default: ``max(block_size, 2)``).", "minimum": 2,
+                                "bound": NGRAM_TOKENS},
     )
     jacobi_seed: int = field(
         default=0,
-        metadata={"help": "seed for the guesses of new blocks (drawn from the row's context).", "minimum": 0},
+        metadata={"help": "seed for the guesses of new blocks (drawn from the row's context; 0 to 2**64 - 1).",
+                  "minimum": 0, "maximum": SEED_MAX},
     )
     context_matches: int | None = field(
         default=None,
         metadata={"help": "continuations of the row's suffix found in its prompt and output (context n-grams, as "
                           '``decoding="prompt_lookup"``) added to the tree each step; 0 = none (default: 0 on CUDA, '
-                          "2 on CPU).", "minimum": 0},
+                          "2 on CPU).", "minimum": 0, "bound": CALL_LENGTH},
     )
     context_tokens: int | None = field(
         default=None,
-        metadata={"help": "tokens of each context continuation (default: 10 on CUDA, 6 on CPU).", "minimum": 1},
+        metadata={"help": "tokens of each context continuation (default: 10 on CUDA, 6 on CPU).", "minimum": 1,
+                  "bound": NEW_TOKENS},
     )
     context_ngram_size: int = field(
-        default=3, metadata={"help": "longest suffix looked up in the context.", "minimum": 1},
+        default=3, metadata={"help": "longest suffix looked up in the context.", "minimum": 1, "bound": CALL_LENGTH},
     )
     tree_budget: int | None = field(
         default=None,
-        metadata={"help": "drafted nodes per step at most (``None``: no cap); the chain comes first.", "minimum": 1},
+        metadata={"help": "drafted nodes per step at most (``None``: no cap); the chain comes first.", "minimum": 1,
+                  "bound": STEP_TOKENS},
     )
     cost_aware: bool = field(
         default=False,

@@ -39,7 +39,15 @@ import torch
 
 from ..engine.ngram_pool import NgramPool
 from ..engine.run import decode_call
-from ..engine.settings import StrategySettings, decoding_strategy
+from ..engine.settings import (
+    CALL_LENGTH,
+    NEW_TOKENS,
+    NGRAM_TOKENS,
+    SEED_MAX,
+    STEP_TOKENS,
+    StrategySettings,
+    decoding_strategy,
+)
 from .policy import batch_policy, check_policy_settings, shapes_from
 from .prompt_lookup import CONTEXT, GUESSES, POOL, ComposedTreeProposer
 
@@ -55,39 +63,43 @@ class LookaheadSettings(StrategySettings):
         metadata={"help": "W, columns of the lookahead window (n-grams produced per step). This and every setting "
                           "defaulting to ``None`` come from the device preset "
                           "(:func:`hf_paralleldecode.hardware_preset`; CPU: W=5, N=4, G=5, 2 context matches).",
-                  "minimum": 1},
+                  "minimum": 1, "bound": NEW_TOKENS},
     )
     ngram_size: int | None = field(
-        default=None, metadata={"help": "N, length of the n-grams (the window has N - 1 levels); >= 2.", "minimum": 2},
+        default=None, metadata={"help": "N, length of the n-grams (the window has N - 1 levels); >= 2.", "minimum": 2,
+                                "bound": NGRAM_TOKENS},
     )
     guess_set_size: int | None = field(
         default=None,
         metadata={"help": "G, n-grams verified per step and kept per first token (0 = no verification branch: the "
-                          "window's level 0 is still verified, as a Jacobi guess).", "minimum": 0},
+                          "window's level 0 is still verified, as a Jacobi guess).", "minimum": 0,
+                  "bound": CALL_LENGTH},
     )
     pool_from_prompt: bool = field(
         default=True, metadata={"help": "seed the pool with the prompt's n-grams (good for code and edits)."},
     )
     lookahead_seed: int = field(
         default=0,
-        metadata={"help": "seed of the generator that refills window columns from the context.", "minimum": 0},
+        metadata={"help": "seed of the generator that refills window columns from the context (0 to 2**64 - 1).",
+                  "minimum": 0, "maximum": SEED_MAX},
     )
     context_matches: int | None = field(
         default=None,
         metadata={"help": "continuations of the row's suffix found in its prompt and output (context n-grams, as "
                           '``decoding="prompt_lookup"``) added to the tree each step; 0 = none (CPU preset 2: '
-                          "measured faster on both embedded models and both prompt sets).", "minimum": 0},
+                          "measured faster on both embedded models and both prompt sets).", "minimum": 0,
+                  "bound": CALL_LENGTH},
     )
     context_tokens: int = field(
-        default=10, metadata={"help": "tokens of each context continuation.", "minimum": 1},
+        default=10, metadata={"help": "tokens of each context continuation.", "minimum": 1, "bound": NEW_TOKENS},
     )
     context_ngram_size: int = field(
-        default=3, metadata={"help": "longest suffix looked up in the context.", "minimum": 1},
+        default=3, metadata={"help": "longest suffix looked up in the context.", "minimum": 1, "bound": CALL_LENGTH},
     )
     tree_budget: int | None = field(
         default=None,
         metadata={"help": "drafted nodes per step at most (``None``: no cap); window columns come first.",
-                  "minimum": 1},
+                  "minimum": 1, "bound": STEP_TOKENS},
     )
     cost_aware: bool = field(
         default=False,

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..engine.run import Proposer, decode_call
-from ..engine.settings import StrategySettings, decoding_strategy
+from ..engine.settings import CALL_LENGTH, NEW_TOKENS, STEP_TOKENS, StrategySettings, decoding_strategy
 from ..engine.tree import PackedTree, pack_trees, root_tree
 from .policy import CostAwareBudget, batch_policy, check_policy_settings, shapes_from
 
@@ -40,18 +40,24 @@ class PromptLookupSettings(StrategySettings):
         default=None,
         metadata={"help": "tokens drafted after each match (transformers' ``prompt_lookup_num_tokens``). This, "
                           "``max_matches`` and ``tree_budget`` default to the device preset "
-                          "(:func:`hf_paralleldecode.hardware_preset`; CPU: 10, 4, 32).", "minimum": 1},
+                          "(:func:`hf_paralleldecode.hardware_preset`; CPU: 10, 4, 32).", "minimum": 1,
+                  "bound": NEW_TOKENS},
     )
     max_ngram_size: int = field(
-        default=3, metadata={"help": "longest suffix looked up; shorter ones down to 1 are tried too.", "minimum": 1},
+        default=3,
+        metadata={"help": "longest suffix looked up; shorter ones down to 1 are tried too. At most the call's "
+                          "prompt + ``max_new_tokens`` (a longer suffix never matches): a larger value is lowered to "
+                          "it.",
+                  "minimum": 1, "bound": CALL_LENGTH},
     )
     max_matches: int | None = field(
-        default=None, metadata={"help": "distinct continuations merged into the tree per step.", "minimum": 1},
+        default=None, metadata={"help": "distinct continuations merged into the tree per step.", "minimum": 1,
+                                "bound": CALL_LENGTH},
     )
     tree_budget: int | None = field(
         default=None,
         metadata={"help": "drafted nodes per step at most (the verification forward feeds at most "
-                          "``tree_budget + 1`` tokens).", "minimum": 1},
+                          "``tree_budget + 1`` tokens).", "minimum": 1, "bound": STEP_TOKENS},
     )
     cost_aware: bool = field(
         default=False,

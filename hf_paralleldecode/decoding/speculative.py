@@ -54,13 +54,34 @@ from ..engine.contract import check_draft_logits
 from ..engine.draft_tree import TreeBuilder
 from ..engine.processors import prefix_independent, process_prefixes
 from ..engine.run import Proposer, decode_call
-from ..engine.settings import StrategySettings, decoding_strategy
+from ..engine.settings import (
+    CALL_LENGTH,
+    NEW_TOKENS,
+    STEP_TOKENS,
+    TREE_LEVELS,
+    VOCAB,
+    StrategySettings,
+    decoding_strategy,
+)
 from ..engine.target import HiddenStateTaps
 from ..engine.tree import PackedTree, root_tree, tree_from_parents
 from .policy import CostAwareBudget, batch_policy, check_policy_settings, shapes_from, target_key
 from .prompt_lookup import CONTEXT, GUESSES, ContextNgrams
 
 __all__ = ["speculative", "SpeculativeSettings"]
+
+
+def _check_drafter(value) -> None:
+    """``drafter``: a drafter object, a folder / Hub repo id / shipped alias (a str or a path), or a Hub bundle's
+    ``(repo id, subfolder)`` (what :func:`~hf_paralleldecode.drafters.loading.load_drafter` takes)."""
+    import os
+
+    if isinstance(value, (Drafter, str, os.PathLike)) or (
+            isinstance(value, tuple) and len(value) == 2 and all(isinstance(v, str) for v in value)):
+        return
+    raise ValueError(f"`drafter` must be a drafter (hf_paralleldecode.DraftHead, Eagle3Drafter, DiffusionDrafter), "
+                     f"the folder / Hub repo id / shipped alias of one (a str or a path), or None, got {value!r} "
+                     f"({type(value).__name__}).")
 
 
 @dataclass
@@ -73,21 +94,23 @@ class SpeculativeSettings(StrategySettings):
                           ":class:`hf_paralleldecode.DiffusionDrafter` sharing its vocabulary (DEER), the folder / Hub "
                           'repo id of either, or a shipped alias (``"default-jetspec"``, ``"default-dflash"``, '
                           '``"default-deer"``). It is moved to the model' "'s device and dtype; a head is bound to "
-                          "the model. A drafter for another vocabulary or tokenizer is refused before any forward."},
+                          "the model. A drafter for another vocabulary or tokenizer is refused before any forward.",
+                  "check": _check_drafter},
     )
     tree_budget: int | None = field(
         default=None,
         metadata={"help": "B, drafted nodes per step (the verification forward feeds B + 1 tokens); default: the "
                           "device preset (:func:`hf_paralleldecode.hardware_preset`): 16 on CPU, where the shipped "
                           "heads were fastest at B=16 (docs/methods/speculative.md), 128 to 256 on GPUs at batch 1.",
-                  "minimum": 1},
+                  "minimum": 1, "bound": STEP_TOKENS},
     )
-    tree_width: int = field(default=8, metadata={"help": "W, children per node (1 = a chain).", "minimum": 1})
+    tree_width: int = field(default=8, metadata={"help": "W, children per node (1 = a chain).", "minimum": 1,
+                                                 "bound": VOCAB})
     tree_depth: int | None = field(
         default=None,
         metadata={"help": "N, levels below the root (default: the drafter's ``block_size``). A diffusion drafter "
                           "feeds ``tree_depth`` masks per step (its block size at inference, at most its "
-                          "``block_size``).", "minimum": 1},
+                          "``block_size``).", "minimum": 1, "bound": TREE_LEVELS},
     )
     tree_waves: int | None = field(
         default=None,
@@ -95,7 +118,7 @@ class SpeculativeSettings(StrategySettings):
                           "at most (default: ``tree_depth``). Exact best-first insertion evaluates a node only once it "
                           "is in the tree, so a confident chain takes one wave per level and the tree is capped near "
                           "``tree_waves x tree_width`` nodes; more waves let large budgets fill (tau keeps rising with "
-                          "the budget) at one head forward each.", "minimum": 1},
+                          "the budget) at one head forward each.", "minimum": 1, "bound": STEP_TOKENS},
     )
     denoise_steps: int | None = field(
         default=None,
@@ -110,13 +133,13 @@ class SpeculativeSettings(StrategySettings):
                           "(up to half of it is kept for them). 0 = none. With ``do_sample=True`` a step with context "
                           "candidates is verified by sample-then-match (lossless for any tree; rejection sampling "
                           "needs every child drawn from ``q``, and the choice of rule may not depend on the draws).",
-                  "minimum": 0},
+                  "minimum": 0, "bound": CALL_LENGTH},
     )
     context_tokens: int | None = field(
-        default=10, metadata={"help": "tokens of each context continuation.", "minimum": 1},
+        default=10, metadata={"help": "tokens of each context continuation.", "minimum": 1, "bound": NEW_TOKENS},
     )
     context_ngram_size: int = field(
-        default=3, metadata={"help": "longest suffix looked up in the context.", "minimum": 1},
+        default=3, metadata={"help": "longest suffix looked up in the context.", "minimum": 1, "bound": CALL_LENGTH},
     )
     drafter_dtype: str | torch.dtype | None = field(
         default=None,
