@@ -418,3 +418,12 @@ RUNTIME_INTERNALS: dict[str, tuple[str, ...]] = {
     "a rotary embedding module (rope_type, original_max_seq_len)": ("rope_type", "original_max_seq_len"),
     "a model output, and generate's output classes": (GENERATE_CACHE_KEY,),
 }
+
+
+def scalar_read_ops() -> set:
+    """The aten ops through which a tensor's value reaches the host as a Python number (``item``, ``int``,
+    ``bool``, ``float``): what the host-sync census (``engine/census.py``) counts as reads."""
+    import torch
+
+    return {torch.ops.aten._local_scalar_dense.default}
+

@@ -277,24 +277,24 @@ def test_random_context_init_is_seeded_and_drawn_from_context():
     assert torch.equal(a.sequences, b.sequences)
 
     captured = {}
-    orig = DecodeRun.sample_context
+    orig = DecodeRun.sample_context_lists
 
     def spy(self, k, generator):
         out = orig(self, k, generator)
-        captured.setdefault("draws", []).append((self.rows.clone(), out.clone()))
+        captured.setdefault("draws", []).append((list(self.row_ids), [list(d) for d in out]))
         return out
 
-    DecodeRun.sample_context = spy
+    DecodeRun.sample_context_lists = spy
     try:
         model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=30, do_sample=False,
                        decoding="jacobi", block_size=8)
     finally:
-        DecodeRun.sample_context = orig
+        DecodeRun.sample_context_lists = orig
     rows, first_draw = captured["draws"][0]
     first_generated = reference("llama", 3, 40)[:, ids.shape[1]]
-    for i, row in enumerate(rows.tolist()):
+    for i, row in enumerate(rows):
         allowed = set(ids[row][mask[row] == 1].tolist()) | {int(first_generated[row])}
-        assert set(first_draw[i].tolist()) <= allowed  # drawn from the row's context, never padding
+        assert set(first_draw[i]) <= allowed  # drawn from the row's context, never padding
 
 
 def test_right_padding_and_explicit_position_ids_follow_stock_positions():

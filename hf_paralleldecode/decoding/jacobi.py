@@ -39,6 +39,7 @@ from ..engine.run import Proposer, decode_call
 from ..engine.settings import NEW_TOKENS, SEED_MAX, StrategySettings, decoding_strategy
 from ..engine.tree import chain_tree, root_tree
 from .policy import batch_policy, check_policy_settings, shapes_from
+from .policy.shapes import verdict_counts
 
 __all__ = ["jacobi", "JacobiSettings", "JACOBI_INITS"]
 
@@ -85,8 +86,8 @@ class JacobiProposer(Proposer):
     """Per-row Jacobi block state: the tokens to feed next and how much of the block is left.
 
     ``draft`` ``[active, block_size]``: ``draft[:, 0]`` is the last committed token, the rest are
-    guesses; ``block_left`` ``[active]``: positions of the current block not yet finalised,
-    counting ``draft[:, 0]``.
+    guesses; ``block_left`` (host ints, one per active row): positions of the current block not yet finalised,
+    counting ``draft[:, 0]``. The bookkeeping reads nothing of the device: the accepted counts come with the verdict.
     """
 
     def __init__(self, run, block_size: int, init: str, seed: int, adaptive: bool = False,
@@ -101,24 +102,26 @@ class JacobiProposer(Proposer):
         log = run.log
         first = log.tokens[run.rows, 0]
         self.draft = first[:, None].repeat(1, block_size)
-        self.block_left = torch.full_like(first, block_size)
-        self._new_guesses(torch.ones_like(first, dtype=torch.bool))
+        self.block_left = [block_size] * first.shape[0]
+        self._new_guesses([True] * first.shape[0])
 
     def propose(self):
         if self.plain_step:  # the roots alone, as stock decoding feeds them
             return root_tree(self.draft[:, 0])
-        widths = self.widths()  # [active]
-        return chain_tree(self.draft[:, : int(widths.max())], widths)
+        widths = self.widths()
+        return chain_tree(self.draft[:, : max(widths)], torch.tensor(widths, dtype=torch.long, device=self.draft.device))
 
-    def widths(self) -> torch.Tensor:
-        """Tokens to feed per row: the rest of the block, capped by the row's token budget and the step's shape."""
+    def widths(self) -> list[int]:
+        """Tokens to feed per row (host ints): the rest of the block, capped by the row's token budget and the step's
+        shape."""
         log = self.run.log
-        budget = log.max_new_tokens - log.count[self.run.rows]
-        widths = torch.minimum(self.block_left, budget)
-        return widths if self.configured_step else widths.clamp(max=self.shape.depth + 1)
+        cap = self.n if self.configured_step else self.shape.depth + 1
+        return [min(left, log.max_new_tokens - count, cap)
+                for left, count in zip(self.block_left, log.host_counts(self.run.row_ids))]
 
     def select(self, keep: torch.Tensor) -> None:
-        self.draft, self.block_left = self.draft[keep], self.block_left[keep]
+        self.draft = self.draft[keep]
+        self.block_left = [self.block_left[i] for i in self.run.kept_positions]
 
     def update(self, tree, verdict) -> None:
         """Jacobi update after a forward: the target's choices ``[active, width]`` and accepted counts."""
@@ -128,20 +131,26 @@ class JacobiProposer(Proposer):
         # bonus token, then the Jacobi update of the fed positions, then the guesses a shorter step did not feed
         self.draft = torch.where(src < tree.num_nodes[:, None], choices.gather(1, src.clamp(max=width - 1)),
                                  self.draft.gather(1, (src + 1).clamp(max=self.n - 1)))
-        self.block_left = self.block_left - (accepted + 1)
-        finished = self.block_left <= 0
-        if bool(finished.any()):
-            self.block_left = torch.where(finished, self.n, self.block_left)
+        counts = verdict_counts(verdict)
+        self.block_left = [left - n - 1 for left, n in zip(self.block_left, counts)]
+        finished = [left <= 0 for left in self.block_left]
+        if any(finished):
+            self.block_left = [self.n if f else left for f, left in zip(finished, self.block_left)]
             self._new_guesses(finished)
 
-    def _new_guesses(self, rows_mask: torch.Tensor) -> None:
+    def _new_guesses(self, finished: list[bool]) -> None:
+        """New guesses for the rows whose block finished (host flags, one per active row): one copy to the device."""
         if self.n == 1:
             return
+        device = self.draft.device
         if self.init == "repeat":
+            mask = torch.tensor(finished, device=device)
             fill = self.draft[:, :1].expand(-1, self.n - 1)
-        else:
-            fill = self.run.sample_context(self.n - 1, self.generator)
-        self.draft[:, 1:] = torch.where(rows_mask[:, None], fill, self.draft[:, 1:])
+        else:  # the flags and the draws in one tensor
+            draws = self.run.sample_context_lists(self.n - 1, self.generator)
+            packed = torch.tensor([[int(f)] + d for f, d in zip(finished, draws)], dtype=torch.long, device=device)
+            mask, fill = packed[:, 0].bool(), packed[:, 1:]
+        self.draft[:, 1:] = torch.where(mask[:, None], fill, self.draft[:, 1:])
 
 
 def _run(model, settings: JacobiSettings, call):

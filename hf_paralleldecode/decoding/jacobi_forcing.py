@@ -173,7 +173,7 @@ class MultiblockProposer(ComposedTreeProposer):
         self.root_pos: dict[int, int] = {}
         self._stats = dict(blocks_activated=0, recycled_wins=0)
         fills = self._draw()
-        for i, r in enumerate(run.rows.tolist()):
+        for i, r in enumerate(run.row_ids):
             self.chain[r] = [int(run.log.tokens[r, 0])]
             self.root_pos[r] = 0
             self.ends[r] = [n]  # the first block starts at the first generated token (the root)
@@ -209,15 +209,14 @@ class MultiblockProposer(ComposedTreeProposer):
 
     def propose(self):
         """The chain first (its nodes are read back in ``update``), then context matches and recycled n-grams."""
-        counts = self.run.log.host_counts(self.run.rows.tolist())
+        counts = self.run.log.host_counts(self.run.row_ids)
         roots, cands, sources = [], [], []
         if not self.configured_step:  # the chain alone, cut to the shape's depth (a plain step: none of it)
-            rows = self.run.rows
-            roots = [self.chain[r][0] for r in rows.tolist()]
-            cands = [[self.chain[r][1: self.shape.depth + 1][: self._limit(r) - c]] for r, c in zip(rows.tolist(), counts)]
-            return self.pack(torch.tensor(roots, device=rows.device), cands, [[GUESSES] for _ in cands])
+            rows = self.run.row_ids
+            cands = [[self.chain[r][1: self.shape.depth + 1][: self._limit(r) - c]] for r, c in zip(rows, counts)]
+            return self.pack(self.run.roots(), cands, [[GUESSES] for _ in cands])
         context = self.context_candidates(counts)  # (only the configured tree holds context matches)
-        for i, r in enumerate(self.run.rows.tolist()):
+        for i, r in enumerate(self.run.row_ids):
             chain = self.chain[r]
             found = context[i]
             guesses = self.pool.get(r, chain[0], self.pool_size) if self.pool_size else []
@@ -225,16 +224,24 @@ class MultiblockProposer(ComposedTreeProposer):
             roots.append(chain[0])
             cands.append([c[:room] for c in [chain[1:]] + found + guesses])
             sources.append([GUESSES] + [CONTEXT] * len(found) + [POOL] * len(guesses))
-        return self.pack(torch.tensor(roots, device=self.run.rows.device), cands, sources)
+        return self.pack(self.run.roots(), cands, sources)
 
     def update(self, tree, verdict) -> None:
-        choices_l, committed = verdict.choices.tolist(), verdict.tokens.tolist()
-        counts = (verdict.num_accepted + 1).tolist()
+        committed = verdict.committed
+        counts = [n + 1 for n in verdict.nums]
         fills = self._draw()
         configured = self.configured_step
         plain = self.plain_step
-        chain_nodes = tree.candidate_index[:, 0].tolist()  # the chain is candidate 0 (only its nodes are read)
-        for i, r in enumerate(self.run.rows.tolist()):
+        if plain:  # the roots alone: the target's choice after each is the token it committed
+            choices_l, chain_nodes = committed, [[] for _ in committed]
+        else:  # the choices and the chain's nodes (candidate 0: only its nodes are read), in one read
+            width = verdict.choices.shape[1]
+            flat = torch.cat([verdict.choices.reshape(-1), tree.candidate_index[:, 0].reshape(-1)]).tolist()
+            rows, split = len(committed), len(committed) * width
+            length = (len(flat) - split) // max(rows, 1)
+            choices_l = [flat[i * width:(i + 1) * width] for i in range(rows)]
+            chain_nodes = [flat[split + i * length:split + (i + 1) * length] for i in range(rows)]
+        for i, r in enumerate(self.run.row_ids):
             old = self.chain[r]
             nodes = [0] + [m for m in chain_nodes[i] if m >= 0]  # main-chain node of each chain position
             update = [choices_l[i][m] for m in nodes]  # update[j] = Jacobi guess for chain position j + 1

@@ -147,9 +147,9 @@ class LookaheadProposer(ComposedTreeProposer):
                 tokens = run.prompt_tokens(r) + run.log.host_tokens(r)[:1]
                 self.pool.add_sequence(r, tokens, ngram)
         fill = run.context_draw(window, self.generator)
-        self.levels: dict[int, list[list[int]]] = {r: [fill[i]] for i, r in enumerate(run.rows.tolist())}
-        self.ages: dict[int, list[int]] = {r: [0] * window for r in run.rows.tolist()}  # updates since refill
-        self.roots: dict[int, int] = {r: int(run.log.tokens[r, 0]) for r in run.rows.tolist()}  # last committed
+        self.levels: dict[int, list[list[int]]] = {r: [fill[i]] for i, r in enumerate(run.row_ids)}
+        self.ages: dict[int, list[int]] = {r: [0] * window for r in run.row_ids}  # updates since refill
+        self.roots: dict[int, int] = {r: int(run.log.tokens[r, 0]) for r in run.row_ids}  # last committed
 
     @property
     def stats(self) -> dict:
@@ -159,12 +159,11 @@ class LookaheadProposer(ComposedTreeProposer):
         """Window columns first (their nodes are read back in ``update``), then context matches and pool n-grams."""
         log = self.run.log
         if self.plain_step:
-            rows = self.run.rows.tolist()
-            return self.pack(torch.tensor([self.roots[r] for r in rows], device=self.run.rows.device), [[] for _ in rows], [])
-        counts = log.host_counts(self.run.rows.tolist())
+            return self.pack(self.run.roots(), [[] for _ in self.run.row_ids], [])
+        counts = log.host_counts(self.run.row_ids)
         context = self.context_candidates(counts)
         roots, cands, sources = [], [], []
-        for i, (r, count) in enumerate(zip(self.run.rows.tolist(), counts)):
+        for i, (r, count) in enumerate(zip(self.run.row_ids, counts)):
             root = self.roots[r]
             max_depth = int(log.max_new_tokens) - count  # a depth-d path commits d + 1 tokens
             levels = self.levels[r]
@@ -174,7 +173,7 @@ class LookaheadProposer(ComposedTreeProposer):
             roots.append(root)
             cands.append([c[:max_depth] for c in window + found + guesses])
             sources.append([GUESSES] * len(window) + [CONTEXT] * len(found) + [POOL] * len(guesses))
-        return self.pack(torch.tensor(roots, device=self.run.rows.device), cands, sources)
+        return self.pack(self.run.roots(), cands, sources)
 
     def update(self, tree, verdict) -> None:
         """Collect n-grams, move levels up, slide by the committed tokens, refill freed columns.
@@ -183,16 +182,16 @@ class LookaheadProposer(ComposedTreeProposer):
         step and is refilled. A refilled column holds context tokens, not Jacobi output, in every
         level: its n-grams enter the pool only after ``N - 2`` updates made its levels genuine.
         """
-        choices_l, accepted_l = verdict.choices.tolist(), verdict.num_accepted.tolist()
-        committed = verdict.tokens.tolist()
+        accepted_l, committed = verdict.nums, verdict.committed
         fills = self.run.context_draw(self.W, self.generator)
         if self.plain_step:  # one token committed, no window node fed: every level slides by one column
-            for i, r in enumerate(self.run.rows.tolist()):
+            for i, r in enumerate(self.run.row_ids):
                 self.roots[r] = committed[i][0]
                 self.levels[r] = [lv[1:] + fills.tail(i, len(lv) - 1) for lv in self.levels[r]]
                 self.ages[r] = self.ages[r][1:] + [0]
             return
-        for i, r in enumerate(self.run.rows.tolist()):
+        choices_l = verdict.choices.tolist()
+        for i, r in enumerate(self.run.row_ids):
             levels, ages, fill = self.levels[r], self.ages[r], fills[i]
             self.roots[r] = committed[i][accepted_l[i]]  # the bonus token is the next root
             depth = len(levels)  # column c is c + depth tokens long (level 0 up to c, then one per level)

@@ -172,7 +172,7 @@ class ContextNgrams:
         tokens (the caller's host copy)."""
         log = self.run.log
         out = []
-        for r, count in zip(self.run.rows.tolist(), counts):
+        for r, count in zip(self.run.row_ids, counts):
             index = self.index.get(r)
             if index is None:
                 index = self.index[r] = NgramIndex(self.run.prompt_tokens(r), self.max_ngram)
@@ -217,7 +217,9 @@ class ComposedTreeProposer(Proposer):
     def pack(self, roots: torch.Tensor, candidates, sources) -> PackedTree:
         if self.plain_step:  # the roots alone, as stock decoding feeds them (one empty candidate per row)
             return root_tree(roots)
-        return pack_trees(roots, candidates, max_nodes=self.max_nodes, sources=sources, budget=self.cost_budget)
+        run = self.run
+        return pack_trees(roots, candidates, max_nodes=self.max_nodes, sources=sources, budget=self.cost_budget,
+                          root_list=[run.log.last_token(r) for r in run.row_ids])
 
     def with_context_stats(self, stats: dict) -> dict:
         return stats if self.context is None else {**stats, **self.context.stats}
@@ -239,17 +241,12 @@ class ContextNgramProposer(ComposedTreeProposer):
         return self.with_context_stats({})
 
     def propose(self):
-        rows = self.run.rows
-        log = self.run.log
-        rows_l = rows.tolist()
-        counts = log.host_counts(rows_l)
+        roots = self.run.roots()  # [active], on the device: no copy
         if self.plain_step:
-            cands = [[] for _ in counts]
-        else:
-            cands = self.context_candidates(counts)
-            if not self.configured_step:  # a chain: the first match, cut to the shape's depth
-                cands = [c[:1] and [c[0][: self.shape.depth]] for c in cands]
-        roots = torch.tensor([log.host_tokens(r)[c - 1] for r, c in zip(rows_l, counts)], device=rows.device)
+            return root_tree(roots)
+        cands = self.context_candidates(self.run.log.host_counts(self.run.row_ids))
+        if not self.configured_step:  # a chain: the first match, cut to the shape's depth
+            cands = [c[:1] and [c[0][: self.shape.depth]] for c in cands]
         return self.pack(roots, cands, [[CONTEXT] * len(c) for c in cands])
 
     def update(self, tree, verdict) -> None:

@@ -265,8 +265,9 @@ class DraftProposer(Proposer):
             keys = logq - torch.empty_like(logq).exponential_().log()  # Gumbel: draws without replacement
         top = keys.topk(min(self.width, keys.shape[-1]), dim=-1)
         top_logq = logq.gather(1, top.indices)
-        toks, lqs, finite = top.indices.tolist(), top_logq.tolist(), torch.isfinite(top_logq).tolist()
-        kids = [[(t, lq) for t, lq, ok in zip(ts, ls, fs) if ok] for ts, ls, fs in zip(toks, lqs, finite)]
+        # the tokens and their log-probabilities in one read (float64 holds every token id exactly)
+        both = torch.stack([top.indices.to(torch.float64), top_logq.to(torch.float64)]).tolist()
+        kids = [[(int(t), lq) for t, lq in zip(ts, ls) if math.isfinite(lq)] for ts, ls in zip(*both)]
         return (logq.exp() if self.sample else None), kids
 
     # ---- one step ---------------------------------------------------------------------------------
@@ -280,7 +281,7 @@ class DraftProposer(Proposer):
             self.state.end_step()
             self.host += time.perf_counter() - t_start
             return root_tree(self.roots)
-        counts = run.log.host_counts(run.rows.tolist())
+        counts = run.log.host_counts(run.row_ids)
         budgets = [run.log.max_new_tokens - c for c in counts]
         roots = self.roots.tolist()
         width, depth, budget, context = self.width, self.depth, self.budget, self.context is not None
@@ -298,7 +299,7 @@ class DraftProposer(Proposer):
                     for r, b, k in zip(roots, budgets, reserve)]
         self.step_budget = budget
         histories = run.histories()
-        row_ids = run.rows.tolist()
+        row_ids = run.row_ids
         q_store: dict[tuple[int, int], torch.Tensor] = {}
         if self.drafter.expansion == "branches":
             self._grow_branches(builders, histories, row_ids, q_store)

@@ -656,7 +656,8 @@ class HeadState(DrafterState):
         visible[:, torch.arange(s), base + torch.arange(s)] = True  # every slot sees itself
         visible[ri_t, query_t, base + real_t] = True  # a query sees its node
         if vr:
-            visible[torch.tensor(vr, device=device), torch.tensor(vq, device=device), torch.tensor(vk, device=device)] = True
+            where = torch.tensor([vr, vq, vk], device=device)  # one copy to the device
+            visible[where[0], where[1], where[2]] = True
         hidden = self._run(ids, pos, visible)
         return self.head.logits(hidden[ri_t, query_t])
 

@@ -59,7 +59,8 @@ class CommitLog:
             raise ValueError("`pad_token_id` must be set when `eos_token_id` is, to pad rows that finished early.")
         self.device = input_ids.device
         self.prompt_len = prompt_len
-        self.sequences = input_ids
+        self._sequences = input_ids
+        self._pending: list[list[int]] = []  # emitted steps decided on the host, not yet in the sequences tensor
         self.emitted = 0
         # host state (the truth); tensors are built from it on demand (see _tensor)
         self._rows = [[] for _ in range(batch)]  # committed tokens per row
@@ -236,11 +237,26 @@ class CommitLog:
                 stopped = (self.unfinished & self.stopping_criteria(self.sequences, all_scores)).tolist()
             self._stop(stopped, t)
             self.emitted += 1
-        if steps:
-            self.sequences = torch.cat([self.sequences, self._long(steps).reshape(len(steps), -1).T], dim=-1)
+        if steps:  # the tensor is built when read (the output, a criterion): no copy to the device per step
+            self._pending.extend(steps)
             for c in self.stopping_criteria:  # the length criterion's warning past max_position_embeddings
-                if type(c) is MaxLengthCriteria and c.max_position_embeddings is not None:
+                if type(c) is MaxLengthCriteria and c.max_position_embeddings is not None and \
+                        self.prompt_len + self.emitted > c.max_position_embeddings:
                     c(self.sequences, None)
+
+    @property
+    def sequences(self) -> torch.Tensor:
+        """``[batch, prompt_len + emitted]``: the prompt and every emitted step (finished rows padded)."""
+        if self._pending:
+            steps = self._long(self._pending).reshape(len(self._pending), -1).T
+            self._sequences = torch.cat([self._sequences, steps], dim=-1)
+            self._pending = []
+        return self._sequences
+
+    @sequences.setter
+    def sequences(self, value: torch.Tensor) -> None:
+        self._pending = []
+        self._sequences = value
 
     def _emitted_values(self, buf: torch.Tensor | None, t: int) -> torch.Tensor | None:
         """Step ``t``'s scores / logits ``[batch, vocab]``: a row that had finished before step ``t`` (padding) holds

@@ -9,8 +9,9 @@ What it is for
     * :func:`check_proposer`: the object a strategy's ``make_proposer`` returned implements ``propose`` and
       ``update`` (once per call, before the first step).
     * :func:`check_tree`: each step's :class:`~.tree.PackedTree`: one row per active row, consistent fields, every
-      row's root its last committed token, every token inside the target's vocabulary. The values cost one small
-      read of the device per step (the roots, the smallest and the largest token).
+      row's root its last committed token, every token inside the target's vocabulary. The values are checked on the
+      tree's host lists when it was built from them, else on the device and read with the step's verdict: no read of
+      their own.
     * :func:`check_draft_logits`: what a drafter's state returns (``marginals``, ``expand``): the shape the tree
       grower indexes, over the target's vocabulary.
 
@@ -21,12 +22,13 @@ What it deliberately does not know
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from .tree import PackedTree
 
-__all__ = ["check_proposer", "check_tree", "check_draft_logits"]
+__all__ = ["check_proposer", "check_tree", "check_draft_logits", "PendingCheck"]
 
 ROOT_CONTRACT = ("node 0 of each row's tree must be the row's last committed token (run.log.tokens[rows, "
                  "run.log.count[rows] - 1]): drafts verified after another root are checked against the wrong context")
@@ -51,17 +53,34 @@ def check_proposer(proposer, name: str) -> None:
                          "strategy learns nothing: docs/architecture.md, 'Extension points').")
 
 
-def check_tree(tree, rows: torch.Tensor, last_token: Callable[[int], int], vocab: int, name: str) -> None:
-    """``ValueError`` naming the contract when ``tree`` (a proposer's proposal for the active ``rows`` ``[active]``,
-    original ids in order) cannot be fed as given: ``last_token(row)`` is an original row's last committed token (a
-    host int), ``vocab`` the target's embedding rows. Shapes are checked on the host; the rows, the roots and the
-    token range with one read of the device."""
+@dataclass
+class PendingCheck:
+    """A tree's value checks computed on the device, to be read with the step's verdict (no read of its own).
+
+    ``flag``: a 0-d tensor, nonzero when a root or a token breaks the contract; ``explain()`` reads the tree and raises
+    the detailed ``ValueError`` (called only when the flag was read set, before anything is committed)."""
+
+    flag: torch.Tensor
+    explain: Callable[[], None]
+
+
+def check_tree(tree, rows: list[int], last_token: Callable[[int], int], vocab: int, name: str,
+               last: torch.Tensor | None = None) -> PendingCheck | None:
+    """``ValueError`` naming the contract when ``tree`` (a proposer's proposal for the active ``rows``, original ids
+    in order, host ints) cannot be fed as given: ``last_token(row)`` is an original row's last committed token (a
+    host int), ``vocab`` the target's embedding rows.
+
+    Shapes are checked on the host. Values (every row's root its last committed token, every token in the
+    vocabulary) are checked on the tree's host lists when it has them; otherwise on the device against ``last``
+    (``[active]``, the same tokens on the device), with no read: the returned :class:`PendingCheck` is read with the
+    step's verdict, and the tokens fed are clamped into the vocabulary meanwhile (a token out of it never matches the
+    target's choice, and the flag stops the step before its commit)."""
     who = f"decoding={name!r}: the proposed tree"
     if not isinstance(tree, PackedTree):
         raise ValueError(f"decoding={name!r}: propose() returned {type(tree).__name__}, not a PackedTree (build it "
                          "with hf_paralleldecode.engine.tree: chain_tree, pack_trees, root_tree).")
     tokens = tree.tokens
-    active = rows.shape[0]
+    active = len(rows)
     if tokens.dim() != 2 or tokens.shape[0] != active or tokens.shape[1] < 1:
         raise ValueError(f"{who} holds tokens of shape {list(tokens.shape)} for {tokens.shape[0] if tokens.dim() else 0}"
                          f" rows, but {active} rows are active: propose [active, nodes] for run.rows (the rows still "
@@ -78,14 +97,32 @@ def check_tree(tree, rows: torch.Tensor, last_token: Callable[[int], int], vocab
                              "(docs/architecture.md, 'One step'; build trees with hf_paralleldecode.engine.tree).")
     if tree.q is not None and list(tree.q.shape[:2]) != [batch, width]:
         raise ValueError(f"{who}'s q has shape {list(tree.q.shape)} where its tokens need [{batch}, {width}, vocab].")
+    if tree.host is not None:
+        host_tokens = tree.host[0]
+        _check_values(who, rows, last_token, vocab, [t[0] for t in host_tokens], min(map(min, host_tokens)),
+                      max(map(max, host_tokens)))
+        return None
+    if last is None:  # values read here
+        _explain(who, tokens, rows, last_token, vocab)
+        return None
+    flag = (tokens[:, 0] != last).any() | (tokens < 0).any() | (tokens >= vocab).any()
+    tree.tokens = tokens.clamp(0, vocab - 1)
+    return PendingCheck(flag, lambda: _explain(who, tokens, rows, last_token, vocab))
+
+
+def _explain(who, tokens, rows, last_token, vocab) -> None:
     low, high = tokens.aminmax()
-    values = torch.cat([rows.to(tokens.dtype), tokens[:, 0], low[None], high[None]]).tolist()  # the one read
-    rows_l, roots, low, high = values[:batch], values[batch:2 * batch], values[2 * batch], values[2 * batch + 1]
+    values = torch.cat([tokens[:, 0], low[None], high[None]]).tolist()
+    batch = tokens.shape[0]
+    _check_values(who, rows, last_token, vocab, values[:batch], values[batch], values[batch + 1])
+
+
+def _check_values(who, rows, last_token, vocab, roots, low, high) -> None:
     if low < 0 or high >= vocab:
         bad = low if low < 0 else high
         raise ValueError(f"{who} holds token {bad} outside the target's vocabulary of {vocab} (ids 0 .. {vocab - 1}): "
                          "propose ids the model embeds (a drafter over another vocabulary must map its ids first).")
-    for row, root in zip(rows_l, roots):
+    for row, root in zip(rows, roots):
         want = last_token(row)
         if root != want:
             raise ValueError(f"{who} for row {row} has root {root}, but the row's last committed token is {want}: "

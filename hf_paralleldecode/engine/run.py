@@ -29,8 +29,9 @@ import torch
 from ..attention import decoding_attention
 from ..compat import GenerateDecoderOnlyOutput, enclosing_generate_streamer, user_cache
 from .cache import SlotCache, prepare_cache
+from .census import host_values
 from .commit import CommitLog
-from .contract import check_proposer, check_tree
+from .contract import PendingCheck, check_proposer, check_tree
 from .processors import prefix_independent, process_block
 from .settings import check_bool_setting, check_int_setting  # noqa: F401 - their old home
 from .support import (
@@ -117,7 +118,7 @@ class ContextDraw:
     def _tokens(self, i: int, picks: torch.Tensor) -> list[int]:
         prompt, committed, total = self.prompts[i], self.committed[i], self.totals[i]
         plen = len(prompt)
-        return [prompt[p] if p < plen else committed[min(p, total - 1) - plen] for p in picks.tolist()]
+        return [prompt[p] if p < plen else committed[min(p, total - 1) - plen] for p in host_values(picks)]
 
     def cycled(self, i: int, n: int) -> list[int]:
         """``n`` tokens of active row ``i``: its ``k`` drawn tokens, repeated as often as needed."""
@@ -154,6 +155,8 @@ class DecodeRun:
         self.log = log
         self.slots = slots
         self.rows = rows  # [active] original row ids of the rows still decoding
+        self.row_ids: list[int] = list(range(rows.shape[0]))  # the same on the host (the engine's mirror: no read)
+        self.kept_positions: list[int] = self.row_ids  # the positions the last drop_finished kept, on the host
         self.target = TargetForward(model)
         self.stats: dict = {}
         self.draft_stats = None  # a DraftStats, set by a drafting proposer
@@ -161,6 +164,7 @@ class DecodeRun:
         # sampling: one uniform per (row, generated position), drawn once per call from the user's RNG (see
         # position_uniforms); None when greedy
         self.uniforms: torch.Tensor | None = None
+        self.last: torch.Tensor | None = None  # [batch] each row's last committed token, on the device (the roots)
 
     def position_uniforms(self, tree: PackedTree) -> torch.Tensor:
         """``[active, nodes]``: the uniform of the generated position each node's sample is for (the row's next
@@ -194,25 +198,28 @@ class DecodeRun:
         pad = self.log.pad_token_id if self.log.pad_token_id is not None else 0
         return torch.cat([history.new_full((length - history.shape[0],), pad), history])
 
-    def step(self, tree: PackedTree) -> Verdict:
+    def step(self, tree: PackedTree, check: PendingCheck | None = None) -> Verdict:
         """Feed ``tree`` in one target forward, verify it, commit the accepted tokens + one, emit.
 
         The rule (greedy / sample-then-match / rejection sampling with ``tree.q``) is
-        :func:`~.verify.verify_tree`'s. Returns its :class:`~.verify.Verdict`.
+        :func:`~.verify.verify_tree`'s. Returns its :class:`~.verify.Verdict`. ``check``: the tree's boundary check
+        (:func:`~.contract.check_tree`), read with the verdict; a broken contract raises before the commit.
         """
+        flag = check.flag if check is not None else None
         # greedy with nothing that reads the values (processors, output scores / logits): argmax in the model's dtype
         values = bool(self.generation_config.do_sample or self.logits_processor or self.log.scores is not None
                       or self.log.logits is not None or tree.q is not None)
         if not values:  # greedy: the target's choices, never the [active, nodes, vocab] logits
             choices = self.target.greedy(tree, self.slots, self.next_positions(), self.rows)
-            verdict = verify_tree(tree, None, False, choices=choices)
-            self.commit(verdict)
+            verdict = verify_tree(tree, None, False, choices=choices, check=flag)
+            self.commit(verdict, check=check, chain=tree.is_chain)
             return verdict
         logits = self.target.forward(tree, self.slots, self.next_positions(), self.rows)
         scores = self.process(logits, tree)
         uniforms = self.position_uniforms(tree) if self.uniforms is not None and tree.q is None else None
-        verdict = verify_tree(tree, scores, bool(self.generation_config.do_sample), tree.q, uniforms=uniforms)
-        self.commit(verdict, scores, logits)
+        verdict = verify_tree(tree, scores, bool(self.generation_config.do_sample), tree.q, uniforms=uniforms,
+                              check=flag)
+        self.commit(verdict, scores, logits, check=check, chain=tree.is_chain)
         return verdict
 
     def verify(self, tree: PackedTree) -> tuple[torch.Tensor, torch.Tensor]:
@@ -220,22 +227,38 @@ class DecodeRun:
         verdict = self.step(tree)
         return verdict.choices, verdict.num_accepted
 
-    def commit(self, verdict: Verdict, scores: torch.Tensor | None = None, logits: torch.Tensor | None = None) -> None:
+    def commit(self, verdict: Verdict, scores: torch.Tensor | None = None, logits: torch.Tensor | None = None,
+               check: PendingCheck | None = None, chain: bool = False) -> None:
         """Commit the accepted path's tokens + bonus (``num + 1`` per row) and keep the path's KV (``scores`` /
-        ``logits``: the step's, needed only when the output returns them)."""
+        ``logits``: the step's, needed only when the output returns them). One read of the device: the verdict's host
+        lists, with ``check``'s flag (a broken contract raises here, before anything is committed). ``chain``: the
+        tree was one path per row (the accepted nodes are a prefix: kept on the host, no read)."""
         path, num = verdict.path, verdict.num_accepted
+        host_lists = None
+        if verdict.host is None:  # the committed tokens and their counts, in one read
+            (nums, committed), failed = self._read_verdict(verdict)
+            verdict.host_nums, verdict.host_tokens = nums, committed
+            host_lists = (self.row_ids, committed, [n + 1 for n in nums])
+        else:
+            failed = verdict.check_failed
+        if failed and check is not None:
+            check.explain()
+        if self.last is not None:  # the next roots, on the device
+            self.last[self.rows] = verdict.tokens.gather(1, num[:, None]).squeeze(1)
         idx = path.clamp(min=0)  # [active, depth + 1]; entries past num are ignored
         kept = {}
         for name, values in (("scores", scores), ("logits", logits)):
             if getattr(self.log, name) is not None:
                 kept[name] = values.gather(1, idx[..., None].expand(-1, -1, values.shape[-1]))
-        host = None
+        host = host_lists
         if verdict.host is not None:
             paths, nums, committed = verdict.host
-            host = (self.rows.tolist(), committed, [n + 1 for n in nums])
+            host = (self.row_ids, committed, [n + 1 for n in nums])
         self.log.add(self.rows, verdict.tokens, num + 1, kept.get("scores"), kept.get("logits"), host=host)
         if verdict.host is not None:  # the path's nodes increase (parents before children) and start at the root
             self.slots.commit_kept([[v for v in p if v >= 0] for p in paths], verdict.choices.shape[1])
+        elif chain:  # a chain's accepted nodes: the root and the first num of the path
+            self.slots.commit_kept([list(range(n + 1)) for n in verdict.host_nums], verdict.choices.shape[1])
         else:
             keep = torch.zeros(verdict.choices.shape[:2], dtype=torch.bool, device=path.device)
             keep.scatter_(1, idx, path >= 0)
@@ -243,12 +266,29 @@ class DecodeRun:
             self.slots.commit(keep)
         self.log.emit()
 
+    @staticmethod
+    def _read_verdict(verdict: Verdict) -> tuple[tuple[list[int], list[list[int]]], bool]:
+        """``(num_accepted, tokens)`` of a verdict walked on the device, and its check's flag: one read."""
+        num, tokens = verdict.num_accepted, verdict.tokens
+        parts = [num.reshape(-1), tokens.reshape(-1)]
+        if verdict.check is not None:
+            parts.append(verdict.check.reshape(1).to(num.dtype))
+        flat = torch.cat(parts).tolist()
+        batch, width = tokens.shape
+        nums, rest = flat[:batch], flat[batch:]
+        committed = [rest[i * width:(i + 1) * width] for i in range(batch)]
+        return (nums, committed), bool(verdict.check is not None and rest[-1])
+
     def histories(self) -> list[torch.Tensor]:
-        return [self.history(int(r)) for r in self.rows]
+        return [self.history(r) for r in self.row_ids]
 
     def history(self, row: int) -> torch.Tensor:
         """Padded prompt + committed tokens of original row ``row`` (what stock would pass processors)."""
-        return torch.cat([self.prompt[row], self.log.tokens[row, : int(self.log.count[row])]])
+        return torch.cat([self.prompt[row], self.log.tokens[row, : self.log.host_counts([row])[0]]])
+
+    def roots(self) -> torch.Tensor:
+        """``[active]`` each active row's last committed token (the root of its next tree), on the device: no copy."""
+        return self.last[self.rows]
 
     def next_positions(self) -> torch.Tensor:
         """``[active]`` position id of each active row's next token (continues the prompt's ids)."""
@@ -278,7 +318,7 @@ class DecodeRun:
         The context is the row's prompt without padding plus its committed tokens; ``generator``
         (CPU) makes the draw reproducible: one ``[active, k]`` uniform draw per call.
         """
-        rows = self.rows.tolist()
+        rows = self.row_ids
         prompts = [self.prompt_tokens(r) for r in rows]
         totals = [len(p) + c for p, c in zip(prompts, self.log.host_counts(rows))]
         u = torch.rand(len(rows), k, generator=generator)
@@ -289,11 +329,14 @@ class DecodeRun:
     def drop_finished(self) -> torch.Tensor | None:
         """Remove rows that need no more work; return the kept positions (into the active rows) or None."""
         needs = self.log.host_needs_work()
-        flags = [needs[r] for r in self.rows.tolist()]
+        flags = [needs[r] for r in self.row_ids]
         if all(flags):
             return None
-        keep = torch.tensor([i for i, f in enumerate(flags) if f], dtype=torch.long, device=self.rows.device)
+        kept = [i for i, f in enumerate(flags) if f]
+        keep = torch.tensor(kept, dtype=torch.long, device=self.rows.device)
         self.rows = self.rows[keep]
+        self.row_ids = [self.row_ids[i] for i in kept]
+        self.kept_positions = kept  # the same positions on the host, for proposers' host state (select(kept))
         if keep.numel():
             self.slots.select_rows(keep)
         return keep
@@ -378,6 +421,8 @@ def start(
         first = scores.argmax(-1)
     log.add(rows, first[:, None], torch.ones_like(first), scores[:, None], logits[:, None])
     log.emit()
+    run.last = first.clone()
+    run.prompt_tokens(0)  # the prompts' host lists, read once with the prefill (context draws, n-gram indexes)
     return run
 
 
@@ -480,15 +525,15 @@ def decode(model, name, make_proposer, input_ids, logits_processor, stopping_cri
                 kept = run.drop_finished()
                 if kept is not None:
                     proposer.select(kept)
-                if run.rows.numel() == 0:
+                if not run.row_ids:
                     break
                 policy = proposer.policy
                 if policy is not None:
-                    policy.start_step(int(run.rows.numel()), run.target.seconds, fed,
-                                      run.log.mean_remaining(run.rows.tolist()))
+                    policy.start_step(len(run.row_ids), run.target.seconds, fed,
+                                      run.log.mean_remaining(run.row_ids))
                 tree = proposer.propose()
-                check_tree(tree, run.rows, run.log.last_token, vocab, name)
-                verdict = run.step(tree)
+                check = check_tree(tree, run.row_ids, run.log.last_token, vocab, name, last=run.roots())
+                verdict = run.step(tree, check)
                 fed = tree.tokens.numel()
                 if policy is not None:
                     policy.observe(tree, verdict)

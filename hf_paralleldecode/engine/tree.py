@@ -52,6 +52,9 @@ class PackedTree:
     # its end (trees that merge context matches into a drafter's tree: the batch policy's context chains)
     node_keys: torch.Tensor | None = None  # [batch, nodes] budget statistics key of each drafted node, -1 for the root
     # and filler (trees a CostAwareBudget trimmed node by node, see budget.CostAwareBudget.trim)
+    # the same tokens, parents and real-node counts as host lists ([batch][nodes], filler included; [batch]), when
+    # the tree was built from host lists: the verifier and the boundary checks read them instead of the device
+    host: tuple[list[list[int]], list[list[int]], list[int]] | None = None
     _max_depth: int | None = None  # see max_depth
     _candidate_nodes: list | None = None  # see candidate_nodes
 
@@ -127,6 +130,7 @@ def pack_trees(
     max_nodes: int | None = None,  # node budget per row, root included (None = no limit)
     sources: Sequence[Sequence[int]] | None = None,  # per row, the proposer id of each candidate (with budget)
     budget=None,  # a budget.CostAwareBudget (see pack_candidates)
+    root_list: Sequence[int] | None = None,  # the roots as host ints, when the caller has them (no read)
 ) -> PackedTree:
     """Merge each row's candidates into a trie under its root and pack all rows for one forward.
 
@@ -143,7 +147,7 @@ def pack_trees(
     if max_nodes is not None and max_nodes < 1:
         raise ValueError(f"max_nodes must be >= 1, got {max_nodes}.")
     if budget is None and sum(len(x) for c in candidates for x in c) <= HOST_PACK_TOKENS:
-        return _pack_on_host(roots, candidates, max_nodes)
+        return _pack_on_host(roots, candidates, max_nodes, root_list)
     num = max((len(c) for c in candidates), default=0)
     longest = max((len(x) for c in candidates for x in c), default=0)
     # padded in numpy row by row: several times faster than torch.tensor() of nested lists
@@ -231,7 +235,8 @@ def pack_candidates(
                       candidate_index=node, candidate_fresh=fresh, candidate_sources=sources, _max_depth=max_depth)
 
 
-def _pack_on_host(roots: torch.Tensor, candidates, max_nodes: int | None) -> PackedTree:
+def _pack_on_host(roots: torch.Tensor, candidates, max_nodes: int | None,
+                  root_list: Sequence[int] | None = None) -> PackedTree:
     """:func:`pack_trees` without a cost budget, by inserting the candidates one by one into a trie of dicts
     (the same tree, node numbering, ``candidate_index`` and ``candidate_fresh`` as :func:`pack_candidates`)."""
     batch = roots.shape[0]
@@ -242,7 +247,7 @@ def _pack_on_host(roots: torch.Tensor, candidates, max_nodes: int | None) -> Pac
                                torch.zeros((batch, num), dtype=torch.long, device=roots.device))
     cap = None if max_nodes is None else max_nodes - 1  # drafted nodes, the root excluded
     rows_tokens, rows_parents, rows_depth, index, fresh = [], [], [], [], []
-    for root, cands in zip(roots.tolist(), candidates):
+    for root, cands in zip(roots.tolist() if root_list is None else root_list, candidates):
         toks, pars, deps, child = [root], [-1], [0], {}
         for cand in cands:
             node, ids, new = 0, [], []
@@ -270,6 +275,8 @@ def _pack_on_host(roots: torch.Tensor, candidates, max_nodes: int | None) -> Pac
         rows_depth.append(deps)
     tree = tree_from_parents(roots, rows_tokens, rows_parents, rows_depth)
     tree.candidate_index = torch.tensor(index, dtype=torch.long, device=roots.device).reshape(batch, num, longest)
+    tree._candidate_nodes = [[[n for n in cand if n >= 0] for cand in index[b * num:(b + 1) * num]]
+                             for b in range(batch)]  # (what candidate_nodes reads back, known here)
     tree.candidate_fresh = torch.tensor(fresh, dtype=torch.bool, device=roots.device).reshape(batch, num, longest)
     return tree
 
@@ -318,17 +325,21 @@ def tree_from_parents(
     """
     width = max(map(len, rows_tokens))
     device = roots.device
-    root_list = roots.tolist()
     pad = [width - len(t) for t in rows_tokens]
-    # one host-to-device copy per field; filler nodes: the row's root token, no parent, depth 0
-    tokens = torch.tensor([list(t) + [r] * k for t, r, k in zip(rows_tokens, root_list, pad)], device=device)
-    parents = torch.tensor([list(p) + [-1] * k for p, k in zip(rows_parents, pad)], device=device)
-    depth = torch.tensor([list(d) + [0] * k for d, k in zip(rows_depth, pad)], device=device)
+    # one host-to-device copy per field; filler nodes: the row's root token (node 0), no parent, depth 0
+    tokens_l = [list(t) + [t[0]] * k for t, k in zip(rows_tokens, pad)]
+    parents_l = [list(p) + [-1] * k for p, k in zip(rows_parents, pad)]
+    num_l = [len(t) for t in rows_tokens]
+    depth_l = [list(d) + [0] * k for d, k in zip(rows_depth, pad)]
+    # tokens, parents, depths and node counts: one copy to the device, [batch, 3 * width + 1]
+    packed = torch.tensor([t + p + d + [n] for t, p, d, n in zip(tokens_l, parents_l, depth_l, num_l)],
+                          dtype=torch.long, device=device)
+    tokens, parents, depth = packed[:, :width], packed[:, width:2 * width], packed[:, 2 * width:3 * width]
     max_depth = max((max(d) for d in rows_depth if len(d)), default=0)
     mask = _ancestor_mask_on_host(rows_parents, width, device) if len(rows_tokens) * width <= HOST_PACK_TOKENS \
         else ancestor_mask(parents, max_depth)
-    return PackedTree(tokens, parents, depth, torch.tensor([len(t) for t in rows_tokens], device=device),
-                      mask, q=q, _max_depth=max_depth)
+    return PackedTree(tokens, parents, depth, packed[:, -1], mask, q=q, host=(tokens_l, parents_l, num_l),
+                      _max_depth=max_depth)
 
 
 def _ancestor_mask_on_host(rows_parents: Sequence[Sequence[int]], width: int, device) -> torch.Tensor:

@@ -94,6 +94,29 @@ class Verdict:
     #                        under rejection sampling, the argmax of p off the accepted path
     host: tuple[list[list[int]], list[int], list[list[int]]] | None = None  # (path, num_accepted, tokens) as
     #                        host lists, when the walk ran on the host (readers then need no copy back)
+    check: torch.Tensor | None = None  # the step's boundary check (engine/contract.py), not read yet: read with the
+    #                        verdict's own values (nonzero: the proposal broke the contract)
+    check_failed: bool = False  # the check, read with the host lists
+    host_nums: list[int] | None = None  # num_accepted as host ints, once read (a verdict walked on the device)
+    host_tokens: list[list[int]] | None = None  # tokens as host lists, once read (a verdict walked on the device)
+
+    @property
+    def nums(self) -> list[int]:
+        """``num_accepted`` as host ints: read with the verdict by the engine (no read here once committed)."""
+        if self.host is not None:
+            return self.host[1]
+        if self.host_nums is None:
+            self.host_nums = self.num_accepted.tolist()
+        return self.host_nums
+
+    @property
+    def committed(self) -> list[list[int]]:
+        """``tokens`` as host lists (each row's first ``num_accepted + 1`` are committed), read with the verdict."""
+        if self.host is not None:
+            return self.host[2]
+        if self.host_tokens is None:
+            self.host_tokens = self.tokens.tolist()
+        return self.host_tokens
 
 
 def match_prefix(
@@ -206,13 +229,30 @@ def rejection_walk(tree, p: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor
 HOST_WALK_NODES = 256
 
 
-def _walk_on_host(tree, choices: torch.Tensor) -> Verdict:
-    """:func:`walk_tree` + the committed tokens for a small tree, in Python (greedy / sample-then-match)."""
+def _read_with(values: torch.Tensor, check: torch.Tensor | None) -> tuple[list, bool]:
+    """``values`` as host lists and whether ``check`` (a boundary check's flag, or ``None``) is set: one read."""
+    if check is None:
+        return values.tolist(), False
+    flat = torch.cat([values.reshape(-1).to(torch.long), check.reshape(1).to(torch.long)]).tolist()
+    out = flat[:-1]
+    for size in reversed(values.shape[1:]):
+        out = [out[i:i + size] for i in range(0, len(out), size)]
+    return out, bool(flat[-1])
+
+
+def _walk_on_host(tree, choices: torch.Tensor, check: torch.Tensor | None = None) -> Verdict:
+    """:func:`walk_tree` + the committed tokens for a small tree, in Python (greedy / sample-then-match); the tree's
+    own host lists when it has them (one read: the choices)."""
     batch = choices.shape[0]
     device = choices.device
     depth_slots = tree.max_depth + 1
-    tokens_l, parents_l, choices_l = tree.tokens.tolist(), tree.parents.tolist(), choices.tolist()
-    nodes_l = tree.num_nodes.tolist()
+    if tree.host is not None:
+        tokens_l, parents_l, nodes_l = tree.host
+        choices_l, failed = _read_with(choices, check)
+    else:
+        (tokens_l, parents_l, choices_l), failed = _read_with(torch.stack([tree.tokens, tree.parents, choices]),
+                                                              check)
+        nodes_l = tree.num_nodes.tolist()
     paths, nums, committed = [], [], []
     for b in range(batch):
         toks, pars, ch = tokens_l[b], parents_l[b], choices_l[b]
@@ -226,8 +266,10 @@ def _walk_on_host(tree, choices: torch.Tensor) -> Verdict:
         nums.append(len(path) - 1)
         committed.append([toks[v] for v in path[1:]] + [ch[node]] + [0] * (depth_slots - len(path)))
         paths.append(path + [-1] * (depth_slots - len(path)))
-    return Verdict(path=torch.tensor(paths, device=device), num_accepted=torch.tensor(nums, device=device),
-                   tokens=torch.tensor(committed, device=device), choices=choices, host=(paths, nums, committed))
+    # path, tokens and counts in one copy to the device: [batch, 2 * depth_slots + 1]
+    packed = torch.tensor([p + c + [n] for p, c, n in zip(paths, committed, nums)], dtype=torch.long, device=device)
+    return Verdict(path=packed[:, :depth_slots], num_accepted=packed[:, -1], tokens=packed[:, depth_slots:-1],
+                   choices=choices, host=(paths, nums, committed), check_failed=failed)
 
 
 def sample_by_uniforms(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
@@ -238,7 +280,7 @@ def sample_by_uniforms(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Ten
     return torch.searchsorted(cdf, value, right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
 
 
-def _root_only(scores, do_sample: bool, choices, uniforms) -> Verdict:
+def _root_only(scores, do_sample: bool, choices, uniforms, check: torch.Tensor | None = None) -> Verdict:
     """The verdict of a tree of one node per row: the root's next token is committed (greedy: the argmax; sampled: a
     draw from ``p``, by inverse CDF from ``uniforms`` when given). A draft probability ``q`` plays no part: no node
     was drafted."""
@@ -254,24 +296,28 @@ def _root_only(scores, do_sample: bool, choices, uniforms) -> Verdict:
             choices = greedy_argmax(scores)
     batch = choices.shape[0]
     zeros = torch.zeros(batch, dtype=torch.long, device=choices.device)
+    committed, failed = _read_with(choices[:, :1], check)
     return Verdict(path=zeros[:, None], num_accepted=zeros, tokens=choices[:, :1], choices=choices,
-                   host=([[0]] * batch, [0] * batch, choices[:, :1].tolist()))
+                   host=([[0]] * batch, [0] * batch, committed), check_failed=failed)
 
 
 def verify_tree(tree, scores: torch.Tensor | None, do_sample: bool, q: torch.Tensor | None = None,
-                choices: torch.Tensor | None = None, uniforms: torch.Tensor | None = None) -> Verdict:
+                choices: torch.Tensor | None = None, uniforms: torch.Tensor | None = None,
+                check: torch.Tensor | None = None) -> Verdict:
     """Apply the rule that fits (greedy / sample-then-match / rejection sampling) to one packed tree.
 
     ``scores`` ``[batch, nodes, vocab]`` are the target's processed scores; ``q`` the drafter's
     probabilities (sampling only; ignored when greedy, where acceptance is exact match). A greedy
     step may pass the target's ``choices`` ``[batch, nodes]`` (its argmax) instead of ``scores``. A sampled step
     without ``q`` may pass ``uniforms`` ``[batch, nodes]``: each node's sample is then drawn by inverse CDF from its
-    uniform (:func:`sample_by_uniforms`) instead of ``torch.multinomial``.
+    uniform (:func:`sample_by_uniforms`) instead of ``torch.multinomial``. ``check``: a boundary check's flag on the
+    device (:func:`~.contract.check_tree`), read with the verdict's host lists (``Verdict.check_failed``) or left for
+    the commit to read (``Verdict.check``).
     """
     if choices is not None and do_sample:
         raise ValueError("verify_tree: choices stand for a greedy step's scores; sampling needs the scores.")
     if tree.width == 1:  # a plain step (each row's root alone): the target's token after it, nothing to walk
-        return _root_only(scores, do_sample, choices, uniforms)
+        return _root_only(scores, do_sample, choices, uniforms, check)
     if do_sample and q is not None:
         probs = torch.softmax(scores, dim=-1)
         path, num, nxt = rejection_walk(tree, probs, q)
@@ -286,7 +332,7 @@ def verify_tree(tree, scores: torch.Tensor | None, do_sample: bool, q: torch.Ten
         elif choices is None:
             choices = greedy_argmax(scores)  # [batch, nodes]
         if not tree.is_chain and choices.numel() <= HOST_WALK_NODES:
-            return _walk_on_host(tree, choices)
+            return _walk_on_host(tree, choices, check)
         path, num = walk_tree(tree, choices)
         nxt = choices.gather(1, path.gather(1, num[:, None]).clamp(min=0)).squeeze(1)
     # committed tokens: the accepted nodes' tokens (below the root), then the bonus / recovered token
@@ -297,4 +343,4 @@ def verify_tree(tree, scores: torch.Tensor | None, do_sample: bool, q: torch.Ten
     if do_sample and q is not None:  # on the accepted path, the choice after a node is the committed token
         valid = path >= 0
         choices = choices.scatter(1, idx, torch.where(valid, tokens, tokens[:, :1]))
-    return Verdict(path=path, num_accepted=num, tokens=tokens, choices=choices)
+    return Verdict(path=path, num_accepted=num, tokens=tokens, choices=choices, check=check)

@@ -62,7 +62,7 @@ class _RecordingJacobi(JacobiProposer):
 
     def propose(self):
         log = self.run.log
-        for i, r in enumerate(self.run.rows.tolist()):
+        for i, r in enumerate(self.run.row_ids):
             count, start, left = int(log.count[r]), self.block_start[r], int(self.block_left[i])
             state = log.tokens[r, start : count - 1].tolist() + self.draft[i, :left].tolist()
             if len(state) == self.n:  # blocks cut by the token budget are not recorded
@@ -72,7 +72,7 @@ class _RecordingJacobi(JacobiProposer):
     def update(self, tree, verdict):
         super().update(tree, verdict)
         log = self.run.log
-        for r in self.run.rows.tolist():
+        for r in self.run.row_ids:
             count = int(log.count[r])
             # complete: the bonus starts the next block, or EOS is the block's last token
             end = self.block_start[r] + self.n

@@ -90,11 +90,9 @@ from __future__ import annotations
 
 import time
 
-import torch
-
 from . import tail
 from .memory import acceptance_rule, memory_of, target_key
-from .shapes import Shape, first_child_prefix, path_prefix
+from .shapes import Shape, first_child_prefix_host, path_prefix, verdict_counts
 from .times import Clock, StepTimes, bucket
 from .tuning import PolicyTuning
 
@@ -474,9 +472,9 @@ class BatchPolicy:
         if self._pending is None:
             return
         pick = self._pending[0]
-        host = getattr(verdict, "host", None)
-        rows = len(host[1]) if host is not None else verdict.num_accepted.numel()
-        total = sum(host[1]) + rows if host is not None else float((verdict.num_accepted + 1).sum())
+        nums = verdict_counts(verdict)  # accepted per row, host ints (the engine read them with the verdict)
+        rows = len(nums)
+        total = sum(nums) + rows
         decay = self.decay(rows)
         # a lagged step's drafts had a hole in their context: fewer tokens than the shape's in step are not counted
         # (the hole may explain them), more are (a bound the shape beats in step). A first step of the tree counts:
@@ -486,25 +484,25 @@ class BatchPolicy:
         own[0] = decay * own[0] + total
         own[1] = decay * own[1] + rows
         if pick == 0 and not lagged:  # paired counts
-            committed = verdict.num_accepted + 1
-            prefix = first_child_prefix(tree, verdict)
+            committed = [n + 1 for n in nums]
+            prefix = first_child_prefix_host(tree, verdict)
             context = None  # the first context match's path (tree.context_path), for context chains
-            self._beyond(prefix.tolist(), None, decay)
-            self.tokens[0] = decay * self.tokens[0] + float(committed.sum())
-            self.squares[0] = decay * self.squares[0] + float((committed * committed).sum())
-            self.paired_rows = decay * self.paired_rows + committed.numel()
+            self._beyond(prefix, None, decay)
+            self.tokens[0] = decay * self.tokens[0] + sum(committed)
+            self.squares[0] = decay * self.squares[0] + sum(c * c for c in committed)
+            self.paired_rows = decay * self.paired_rows + rows
             for i, shape in enumerate(self.shapes[1:], 1):
                 if not shape.drafter:
                     if context is None:
-                        context = (path_prefix(verdict, tree.context_path) if tree.context_path is not None
-                                   else torch.zeros_like(prefix))
-                    would = context.clamp(max=shape.depth) + 1
+                        context = (path_prefix(verdict, tree.context_path).tolist() if tree.context_path is not None
+                                   else [0] * rows)
+                    would = [min(c, shape.depth) + 1 for c in context]
                 else:
-                    would = prefix.clamp(max=shape.depth) + 1
-                self.tokens[i] = decay * self.tokens[i] + float(would.sum())
-                self.squares[i] = decay * self.squares[i] + float((would * would).sum())
+                    would = [min(p, shape.depth) + 1 for p in prefix]
+                self.tokens[i] = decay * self.tokens[i] + sum(would)
+                self.squares[i] = decay * self.squares[i] + sum(w * w for w in would)
         elif pick != 0 and not self.shapes[pick].plain and not lagged and self.own[0][1] > 0:
-            self._level(pick, host[1] if host is not None else verdict.num_accepted.tolist(), decay)
+            self._level(pick, nums, decay)
         self._observed = (int(rows), float(total))
         self._done = True
 

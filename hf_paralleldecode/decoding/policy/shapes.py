@@ -103,3 +103,31 @@ def first_child_prefix(tree, verdict) -> torch.Tensor:
     first.scatter_reduce_(1, torch.where(parents >= 0, parents, width), index, reduce="amin", include_self=True)
     # the first child of each node on the accepted path: the chain that path would follow
     return path_prefix(verdict, first.gather(1, verdict.path[:, :-1].clamp(min=0)))
+
+
+def verdict_counts(verdict) -> list[int]:
+    """Each row's accepted nodes as host ints (:attr:`~hf_paralleldecode.engine.verify.Verdict.nums`: read by the
+    engine with the verdict); a verdict-like object without them is read."""
+    nums = getattr(type(verdict), "nums", None)
+    return verdict.nums if nums is not None else verdict.num_accepted.tolist()
+
+
+def first_child_prefix_host(tree, verdict) -> list[int]:
+    """:func:`first_child_prefix` as host ints, from the host lists of the tree and the verdict when both have them
+    (no read), else read. On a chain every accepted node is its parent's first child."""
+    if getattr(tree, "is_chain", False):
+        return verdict_counts(verdict)
+    if getattr(tree, "host", None) is None or getattr(verdict, "host", None) is None:
+        return first_child_prefix(tree, verdict).tolist()
+    out = []
+    for parents, path, num in zip(tree.host[1], verdict.host[0], verdict.host[1]):
+        first: dict[int, int] = {}
+        for v, p in enumerate(parents):
+            if p >= 0 and p not in first:
+                first[p] = v
+        k = 0
+        while k < num and first.get(path[k]) == path[k + 1]:
+            k += 1
+        out.append(k)
+    return out
+
