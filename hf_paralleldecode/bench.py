@@ -24,6 +24,14 @@ Method
 Stock peers
     ``transformers_prompt_lookup`` and ``dflash_transformers`` run transformers' own assisted generation, which
     is batch-1 only: at batch > 1 they run row by row (``sequential_rows`` in the report).
+    ``transformers_fast_path`` is stock decoding on transformers' own fast path (a static cache and a compiled
+    forward; on a CPU through the switch transformers provides to compile on every device).
+
+One attention order
+    Every entry, stock and its peers included, runs under the run's attention priority (``attention_priority``,
+    recorded in the report), so no entry's gain is the order's. Where the run's order differs from torch's own (a
+    GPU where torch tries cuDNN's attention first), ``ar_torch_order`` adds stock under torch's order: what the
+    order alone gives stock, on a line of its own.
 
 What it deliberately does not do
     Assert anything about speed: it measures and reports.
@@ -46,6 +54,7 @@ from .attention import (  # noqa: F401 - SDPA_BACKENDS's old home
     SDPA_BACKENDS,
     check_attention_priority,
     check_sdpa_backends,
+    decoding_attention,
     get_attention_priority,
     sdpa_backends_context,
     sdpa_priority_names,
@@ -138,6 +147,7 @@ class StockPeer:
     defaults: dict
     prepare: object = None  # (model, settings) -> generate kwargs
     batch_one: bool = True
+    attention: str | None = None  # "torch": run under torch's own attention order, not the run's
 
 
 def _dflash_assistant(model, settings: dict) -> dict:
@@ -164,11 +174,22 @@ def _dflash_assistant(model, settings: dict) -> dict:
     return {"assistant_model": _HEADS[key], "speculation_type": "dflash", **settings}
 
 
-#: transformers' own speculative paths, benchmarked next to this library's strategies
+def _fast_path(model, settings: dict) -> dict:
+    """Stock decoding with a static cache and a compiled forward (:func:`~.compat.fast_path_generate_kwargs`)."""
+    from .compat import fast_path_generate_kwargs
+
+    return {**fast_path_generate_kwargs(model.device), **settings}
+
+
+#: transformers' own fast and speculative paths, benchmarked next to this library's strategies
 STOCK_PEERS = {
     "transformers_prompt_lookup": StockPeer({"prompt_lookup_num_tokens": 10}),
+    "transformers_fast_path": StockPeer({}, prepare=_fast_path, batch_one=False),
     "dflash_transformers": StockPeer({}, prepare=_dflash_assistant),
+    "ar_torch_order": StockPeer({}, batch_one=False, attention="torch"),
 }
+#: the peers every bench table shows beside stock eager (``hf-paralleldecode bench`` adds them unless told not to)
+BASELINE_PEERS = ("transformers_fast_path", "transformers_prompt_lookup")
 
 
 def parse_strategy(text: str) -> StrategySpec:
@@ -346,8 +367,29 @@ def _row_by_row(spec: StrategySpec | None, batch: int) -> bool:
     return spec is not None and spec.decoding in STOCK_PEERS and STOCK_PEERS[spec.decoding].batch_one and batch > 1
 
 
+@contextlib.contextmanager
+def _entry_attention(model, spec: StrategySpec | None):
+    """Stock and its peers under the run's attention order, as the decodings run (``decode`` enters it per call); a
+    peer that asks for torch's own order (``ar_torch_order``) gets that."""
+    peer = STOCK_PEERS.get(spec.decoding) if spec is not None else None
+    if spec is not None and peer is None:  # a decoding of this library: its calls enter the order themselves
+        yield
+        return
+    with contextlib.ExitStack() as order:
+        if peer is not None and peer.attention is not None:
+            order.enter_context(priority_context(peer.attention))
+        order.enter_context(decoding_attention(model.device))
+        yield
+
+
 def _one_run(model, enc, spec: StrategySpec | None, max_new_tokens: int, timer: _ForwardTimer,
              sampling: dict | None = None):
+    with _entry_attention(model, spec):
+        return _timed_run(model, enc, spec, max_new_tokens, timer, sampling)
+
+
+def _timed_run(model, enc, spec: StrategySpec | None, max_new_tokens: int, timer: _ForwardTimer,
+               sampling: dict | None = None):
     sync = timer._sync
     clock = _FirstTokenClock(sync)
     draw = dict(do_sample=True, **sampling) if sampling is not None else dict(do_sample=False)
@@ -514,6 +556,8 @@ def run_benchmark(
     encoded = [tokenizer(b, return_tensors="pt", padding=True, add_special_tokens=prompt_format != "chat_template")
                .to(device) for b in batches]
     check_generation_length(model, max_new_tokens, max((e["input_ids"].shape[1] for e in encoded), default=0))
+    if device.type == "cuda" and priority != "torch" and all(s.decoding != "ar_torch_order" for s in strategies):
+        strategies = [*strategies, parse_strategy("ar_torch_order")]  # what the order alone gives stock: its own line
     entries: list[StrategySpec | None] = [None, *strategies]
     labels = ["ar", *[s.label for s in strategies]]
     timer = _ForwardTimer(model)

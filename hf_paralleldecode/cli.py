@@ -181,6 +181,11 @@ def _bench(args) -> int:
     from .bench import check_sdpa_backends, format_report, parse_strategy, plot_batch_sizes, run_benchmark
 
     strategies = [parse_strategy(s) for s in args.strategies]
+    if args.baselines:  # stock on transformers' fast path and its prompt lookup, beside stock eager in every table
+        from .bench import BASELINE_PEERS
+
+        given = {s.decoding for s in strategies}
+        strategies += [parse_strategy(p) for p in BASELINE_PEERS if p not in given]
     check_sdpa_backends(args.sdpa_backends)
     priority = None
     if args.attention_priority is not None:
@@ -498,6 +503,10 @@ def _main(argv=None) -> int:
     p_bench.add_argument("--temperature", type=_positive_float, default=None, help="with --do-sample")
     p_bench.add_argument("--top-p", type=_probability, default=None, help="with --do-sample")
     p_bench.add_argument("--top-k", type=POSITIVE, default=None, help="with --do-sample")
+    p_bench.add_argument("--baselines", action=argparse.BooleanOptionalAction, default=True,
+                         help="add transformers' own baselines beside stock eager: stock on its fast path (static cache "
+                              "+ compiled forward: transformers_fast_path) and its prompt lookup "
+                              "(transformers_prompt_lookup); --no-baselines leaves them out")
     p_bench.add_argument("--sdpa-backends", nargs="+", default=None, metavar="BACKEND",
                          help="attention backends every entry may use (flash, efficient, cudnn, math; default: "
                               "torch's choice), stock generate's included: e.g. flash efficient math keeps cuDNN's "

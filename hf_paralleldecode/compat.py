@@ -427,3 +427,20 @@ def scalar_read_ops() -> set:
 
     return {torch.ops.aten._local_scalar_dense.default}
 
+
+#: the devices transformers compiles a static-cache ``generate`` on by itself (``_valid_auto_compile_criteria``)
+AUTO_COMPILE_DEVICES = ("cuda", "xpu", "neuron", "tpu")
+
+
+def fast_path_generate_kwargs(device) -> dict:
+    """The ``generate`` arguments of stock decoding on transformers' own fast path: a static cache and a compiled
+    forward (``cache_implementation="static"`` with a ``CompileConfig``). transformers compiles by itself only on
+    :data:`AUTO_COMPILE_DEVICES`; elsewhere (a CPU) the config's switch to compile on every device is set."""
+    import torch
+    from transformers import CompileConfig
+
+    config = CompileConfig()
+    if torch.device(device).type not in AUTO_COMPILE_DEVICES:
+        config._compile_all_devices = True
+    return {"cache_implementation": "static", "compile_config": config}
+

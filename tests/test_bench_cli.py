@@ -191,7 +191,66 @@ def test_cli_bench_on_random_tiny_model(tmp_path, capsys):
                      "--repeats", "1", "--strategies", "jacobi:block_size=4", "--output-dir", str(tmp_path / "o")])
     assert code == 0
     assert "jacobi(block_size=4)" in capsys.readouterr().out
-    assert (tmp_path / "o" / "bench.json").exists()
+    results = json.loads((tmp_path / "o" / "bench.json").read_text())["results"]
+    # the baselines every table shows beside stock eager: its fast path (static cache, compiled) and prompt lookup
+    assert list(results) == ["ar", "jacobi(block_size=4)", "transformers_fast_path", "transformers_prompt_lookup"]
+    assert all(r["exact_match_vs_ar"] == 1.0 for r in results.values())
+
+
+def test_cli_bench_baselines_are_added_unless_asked_not_to(monkeypatch, tmp_path):
+    import hf_paralleldecode.bench as bench
+
+    seen = []
+
+    def fake(model, tokenizer, prompts, strategies, **kw):
+        seen.append([s.decoding for s in strategies])
+        return dict(results={}, files=[])
+
+    monkeypatch.setattr(bench, "run_benchmark", fake)
+    monkeypatch.setattr(bench, "format_report", lambda report: "")
+    argv = ["bench", "--model", "random-tiny", "--max-new-tokens", "4", "--repeats", "1", "--num-prompts", "1",
+            "--output-dir", str(tmp_path)]
+    assert cli.main([*argv, "--strategies", "jacobi", "transformers_prompt_lookup"]) == 0
+    assert cli.main([*argv, "--strategies", "jacobi", "--no-baselines"]) == 0
+    assert seen == [["jacobi", "transformers_prompt_lookup", "transformers_fast_path"], ["jacobi"]]
+
+
+def test_the_fast_path_peer_is_a_static_cache_and_a_compiled_forward_on_every_device():
+    from hf_paralleldecode.bench import _generate_kwargs
+    from hf_paralleldecode.compat import fast_path_generate_kwargs
+
+    for device, everywhere in (("cpu", True), ("cuda", None)):
+        kw = fast_path_generate_kwargs(device)
+        assert kw["cache_implementation"] == "static"
+        assert kw["compile_config"]._compile_all_devices is everywhere  # transformers compiles on CUDA by itself
+    kw = _generate_kwargs(tiny_model("llama"), parse_strategy("transformers_fast_path"))
+    assert kw["decoding"] == "stock" and kw["cache_implementation"] == "static"
+
+
+def test_every_entry_runs_under_the_runs_attention_order_and_ar_torch_order_under_torchs(monkeypatch):
+    """Stock and its peers get the attention order the decodings get (one setting for the whole run); the
+    ``ar_torch_order`` line is stock under torch's own order: what the order alone gives stock."""
+    import contextlib
+
+    import hf_paralleldecode.bench as bench
+    from hf_paralleldecode.attention import get_attention_priority
+
+    entered = []
+
+    @contextlib.contextmanager
+    def recorder(device):
+        entered.append(get_attention_priority())
+        yield {}
+
+    monkeypatch.setattr(bench, "decoding_attention", recorder)
+    model = tiny_model("llama")
+    report = run_benchmark(model, word_tokenizer(), ["t5 t6 t7", "t8 t9"], [parse_strategy("jacobi"),
+                           parse_strategy("ar_torch_order")], max_new_tokens=4, repeats=1, batch_size=2,
+                           attention_priority="auto", output_dir=None, progress=False)
+    assert report["attention_priority"] == "auto"
+    # warm-up and timed run of each stock entry (the decodings enter the order inside their own calls)
+    assert entered == ["auto", "torch", "auto", "torch"]
+    assert report["results"]["ar_torch_order"]["exact_match_vs_ar"] == 1.0
 
 
 def test_cli_bad_strategy_is_a_clear_error(capsys):
@@ -279,7 +338,7 @@ def test_cli_drafter_flag_attaches_a_head_for_speculative_and_dflash(tmp_path, c
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "def f(x):\\n    return"}\n{"prompt": "import os\\n"}\n')
     argv = ["bench", "--model", "random-tiny", "--prompts", str(prompts), "--max-new-tokens", "6", "--repeats", "1",
-            "--output-dir", str(tmp_path / "o")]
+            "--output-dir", str(tmp_path / "o"), "--no-baselines"]
     assert cli.main([*argv, "--drafter", head, "--strategies", "speculative:tree_budget=4", "dflash_transformers"]) == 0
     results = json.loads((tmp_path / "o" / "bench.json").read_text())["results"]
     assert all(r["exact_match_vs_ar"] == 1.0 for r in results.values()) and len(results) == 3
