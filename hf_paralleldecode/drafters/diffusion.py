@@ -67,7 +67,6 @@ import dataclasses
 import hashlib
 import json
 import math
-import time
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +74,7 @@ import torch
 from torch import nn
 
 from ..compat import attn_implementation, cache_kwargs
+from ..engine.timing import DeviceTimer
 from .base import (
     SHIPPED_DRAFTERS,
     Drafter,
@@ -584,6 +584,17 @@ class DiffusionState(DrafterState):
     #: block-causal drafters: the most committed tokens per row one drafter forward catches up on after steps that
     #: did not draft (plain steps of the batch policy), the last step's tokens always included; ``None``: all of them
     max_catch_up: int | None = 16
+    _timer: DeviceTimer | None = None  # the drafter forwards' time (made at the first forward, on its device)
+    _seconds_before = 0.0
+
+    @property
+    def seconds(self) -> float:
+        """The drafter forwards' seconds (on CUDA from events, read when asked: no wait at each forward)."""
+        return self._seconds_before + (self._timer.seconds if self._timer is not None else 0.0)
+
+    @seconds.setter
+    def seconds(self, value: float) -> None:
+        self._seconds_before, self._timer = float(value), None
 
     def __init__(self, context: DrafterContext, drafter: DiffusionDrafter, depth: int | None = None,
                  steps: int | None = None):
@@ -611,11 +622,10 @@ class DiffusionState(DrafterState):
     # ---- forwards -------------------------------------------------------------------------------
     def _call(self, **kwargs) -> torch.Tensor:
         device = self.drafter.device
-        t0 = time.perf_counter()
-        logits = self.drafter(**{k: v.to(device) if torch.is_tensor(v) else v for k, v in kwargs.items()})
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        self.seconds += time.perf_counter() - t0
+        if self._timer is None:
+            self._timer = DeviceTimer(device)
+        with self._timer.timing():  # (on CUDA: events, read when the seconds are asked for; no wait here)
+            logits = self.drafter(**{k: v.to(device) if torch.is_tensor(v) else v for k, v in kwargs.items()})
         self.forwards += 1
         self.fed_tokens += int(kwargs["input_ids"].numel())
         return logits.to(self.context.device)

@@ -19,13 +19,13 @@ from __future__ import annotations
 import contextlib
 import inspect
 import threading
-import time
 import weakref
 
 import torch
 from torch import nn
 
 from ..compat import cache_kwargs
+from .timing import DeviceTimer
 from .verify import greedy_argmax
 
 __all__ = ["TargetForward", "HiddenStateTaps", "GreedyHead", "decoder_layers"]
@@ -103,12 +103,21 @@ class TargetForward:
     def __init__(self, model):
         self.model = model
         self.num_forward_passes = 0
-        self.seconds = 0.0  # forwards, the greedy head's work after them included
-        self.head_seconds = 0.0  # the greedy head's share (outside the model's own forward call)
+        self._forwards = DeviceTimer(model.device)  # forwards, the greedy head's work after them included
+        self._head_time = DeviceTimer(model.device)  # the greedy head's share (outside the model's own forward call)
         self._takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
-        self._cuda = model.device.type == "cuda"
         self.token_type_ids = None  # [batch, prompt_len] when given: new tokens repeat each row's last type
         self._head = False  # the model's GreedyHead (None: none), looked up on the call's first greedy step
+
+    @property
+    def seconds(self) -> float:
+        """Seconds of the forwards so far, the greedy head's work after them included."""
+        return self._forwards.seconds
+
+    @property
+    def head_seconds(self) -> float:
+        """The greedy head's share of :attr:`seconds` (outside the model's own forward call)."""
+        return self._head_time.seconds
 
     @property
     def vocab(self) -> int:
@@ -126,13 +135,8 @@ class TargetForward:
 
     def _run(self, logits_to_keep: int, **kwargs) -> torch.Tensor:
         extra = {"logits_to_keep": logits_to_keep} if self._takes_logits_to_keep else {}
-        if self._cuda:
-            torch.cuda.synchronize(self.model.device)
-        t0 = time.perf_counter()
-        out = self.model(use_cache=True, **kwargs, **extra)
-        if self._cuda:
-            torch.cuda.synchronize(self.model.device)
-        self.seconds += time.perf_counter() - t0
+        with self._forwards.timing():  # (on CUDA: events, read when the seconds are asked for; no wait here)
+            out = self.model(use_cache=True, **kwargs, **extra)
         self.num_forward_passes += 1
         return out.logits
 
@@ -168,13 +172,8 @@ class TargetForward:
             return greedy_argmax(logits)
         with head.capture(compute=False) as capture:
             self.forward(tree, slots, first_positions, rows, fp32=False)
-        t0 = time.perf_counter()
-        choices = head.argmax(capture)
-        if self._cuda:
-            torch.cuda.synchronize(self.model.device)
-        elapsed = time.perf_counter() - t0
-        self.head_seconds += elapsed
-        self.seconds += elapsed
+        with self._forwards.timing(), self._head_time.timing():
+            choices = head.argmax(capture)
         return choices.to(tree.tokens.device)
 
     def forward(self, tree, slots, first_positions: torch.Tensor, rows: torch.Tensor | None = None,
