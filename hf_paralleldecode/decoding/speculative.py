@@ -283,7 +283,7 @@ class DraftProposer(Proposer):
             return root_tree(self.roots)
         counts = run.log.host_counts(run.row_ids)
         budgets = [run.log.max_new_tokens - c for c in counts]
-        roots = self.roots.tolist()
+        roots = [run.log.last_token(r) for r in run.row_ids]  # (self.roots on the host: no read)
         width, depth, budget, context = self.width, self.depth, self.budget, self.context is not None
         drafting = True
         if shape is not None:
@@ -298,7 +298,7 @@ class DraftProposer(Proposer):
         builders = [TreeBuilder(r, budget - k, width, max(min(depth, b), 0) if drafting else 0, exact=not self.sample)
                     for r, b, k in zip(roots, budgets, reserve)]
         self.step_budget = budget
-        histories = run.histories()
+        histories = run.lazy_histories()  # built only when a processor reads prefixes
         row_ids = run.row_ids
         q_store: dict[tuple[int, int], torch.Tensor] = {}
         if self.drafter.expansion == "branches":

@@ -735,7 +735,7 @@ class DiffusionState(DrafterState):
             self._queue((verdict.tokens, root_pos[:, None] + 1, torch.ones_like(verdict.tokens, dtype=torch.bool)))
             return
         n = verdict.num_accepted + 1  # [b]
-        m = int(n.max())
+        m = max(verdict.nums) + 1  # (host ints, read with the verdict)
         cols = torch.arange(m, device=n.device)
         shift = (m - n)[:, None]
         idx = (cols[None] - shift).clamp(min=0)  # left-padded: the new anchor is always the last column

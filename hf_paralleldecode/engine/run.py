@@ -45,7 +45,7 @@ from .target import TargetForward
 from .tree import PackedTree
 from .verify import Verdict, verify_tree
 
-__all__ = ["DecodeRun", "ContextDraw", "ParallelDecodingOutput", "Proposer", "decode", "decode_call",
+__all__ = ["DecodeRun", "ContextDraw", "LazyHistories", "ParallelDecodingOutput", "Proposer", "decode", "decode_call",
            "old_objects_frozen", "start"]
 
 
@@ -126,6 +126,22 @@ class ContextDraw:
             return []
         row = self.take(i, n)
         return row if n <= self.k else [row[j % self.k] for j in range(n)]
+
+
+class LazyHistories:
+    """The active rows' histories (:meth:`DecodeRun.history`, by active position), each built when first read."""
+
+    def __init__(self, run: DecodeRun):
+        self.run = run
+        self._built: dict[int, torch.Tensor] = {}
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i not in self._built:
+            self._built[i] = self.run.history(self.run.row_ids[i])
+        return self._built[i]
+
+    def __len__(self) -> int:
+        return len(self.run.row_ids)
 
 
 class DecodeRun:
@@ -278,6 +294,10 @@ class DecodeRun:
         nums, rest = flat[:batch], flat[batch:]
         committed = [rest[i * width:(i + 1) * width] for i in range(batch)]
         return (nums, committed), bool(verdict.check is not None and rest[-1])
+
+    def lazy_histories(self) -> LazyHistories:
+        """:meth:`histories`, each built when first read (a step whose processors read no prefixes builds none)."""
+        return LazyHistories(self)
 
     def histories(self) -> list[torch.Tensor]:
         return [self.history(r) for r in self.row_ids]
