@@ -8,7 +8,7 @@ same prompts and settings) give the steady state: their difference per target fo
 The budgets:
 - a plain step (each row's last committed token alone) makes one read (the target's choices, read with everything
   the engine checks), builds nothing from host lists (beyond what a row leaving the batch, a cache compaction or a
-  Jacobi block refill need now and then: :data:`AMORTISED`), and stays within 30 ops of stock ``generate``;
+  Jacobi block refill need now and then: :data:`AMORTISED`), and launches at most 30 small ops (2 more a row);
 - a drafting step of every strategy and drafter kind stays at or below the count this suite last measured
   (:data:`DRAFTING_READS`): a ratchet toward issue 59's two reads per drafting step, lowered as reads go.
 Each failure names the ``file:line`` of every read it counted.
@@ -77,8 +77,9 @@ def test_a_plain_step_reads_the_device_once_and_builds_nothing_from_host_lists(n
     # holes, a Jacobi block refilled
     assert result["reads"] <= 1 + AMORTISED, f"{name}: {result['reads']:.2f} reads per plain step: {_where(result)}"
     assert result["uploads"] <= AMORTISED, f"{name}: {result['uploads']:.2f} uploads per plain step: {_where(result)}"
-    # the engine's own ops around the forward: within 30 of stock's (its sampling loop, not ours, sets the rest)
-    assert result["ops"] <= stock["ops"] + 30, f"{name}: {result['ops']:.0f} ops against stock's {stock['ops']:.0f}"
+    ops = PLAIN_OPS + 2 * (batch - 1)
+    assert result["ops"] <= ops, f"{name}: {result['ops']:.0f} small ops per plain step (budget {ops}; stock: " \
+        f"{stock['ops']:.0f})"
 
 
 #: reads per drafting step (the configured tree every step, greedy), batch 1 and 4, as last measured; the issue's
@@ -88,6 +89,11 @@ DRAFTING_READS = {
     "jacobi": 1.1, "jacobi_forcing": 2, "lookahead": 2.1, "prompt_lookup": 1.15,
     "speculative-medusa": 2.15, "speculative-jetspec": 6.1, "speculative-dflash": 3.1, "speculative-deer": 3.05,
 }
+#: small ops per drafting step at batch 1 (each row more: 2 more): 60, the issue's budget, where it is met; else as
+#: last measured (a tree-causal head's waves, DEER's block bookkeeping)
+DRAFTING_OPS = {name: 60 for name in DRAFTING_READS} | {"speculative-jetspec": 165, "speculative-deer": 70}
+#: small ops per plain step at batch 1 (each row more: 2 more)
+PLAIN_OPS = 30
 
 
 def _drafter(model, kind):
@@ -115,6 +121,8 @@ def test_a_drafting_step_stays_within_its_read_budget(name, batch):
     assert result["reads"] <= DRAFTING_READS[name], (
         f"{name} at batch {batch}: {result['reads']:.2f} reads per drafting step (budget {DRAFTING_READS[name]}): "
         f"{_where(result)}")
+    ops = DRAFTING_OPS[name] + 2 * (batch - 1)
+    assert result["ops"] <= ops, f"{name} at batch {batch}: {result['ops']:.0f} small ops per drafting step (budget {ops})"
 
 
 def test_the_host_first_child_prefix_equals_the_device_one():

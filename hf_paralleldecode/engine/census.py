@@ -11,7 +11,8 @@ What it is for
     * **uploads**: tensors built from host lists for the run's device (``torch.tensor`` / ``torch.as_tensor`` of a
       Python list with a ``device=``): a blocking host-to-device copy on CUDA;
     * **ops**: the tensor operations dispatched *outside* the target's and the drafters' module forwards (the
-      engine's and the strategies' own small ops, each a kernel launch on CUDA).
+      engine's and the strategies' own small ops, each a kernel launch on CUDA; views and metadata, which launch
+      nothing, are not counted).
 
     Each read and upload is kept with the ``file:line`` of this package that made it. :func:`per_forward` turns two
     calls of different lengths into counts per target forward of the steady state (their difference over the
@@ -51,8 +52,10 @@ _PACKAGE = str(Path(__file__).resolve().parent.parent)
 _HOST = threading.local()  # set while host_values reads a tensor that lives on the host
 #: ops that read a tensor's value on the host (``item``, ``int``, ``bool``, ``float``)
 _SCALAR_READS = scalar_read_ops()
-#: ops that only describe a tensor (no kernel): not counted
-_FREE = {torch.ops.aten.detach.default, torch.ops.prim.device.default, torch.ops.aten.alias.default}
+#: ops that only describe a tensor or make a view of it (no kernel launched): not counted
+_FREE_NAMES = {"detach", "device", "alias", "view", "_unsafe_view", "reshape", "_reshape_alias", "squeeze", "unsqueeze",
+               "expand", "slice", "select", "as_strided", "t", "transpose", "permute", "split", "narrow", "unbind",
+               "lift_fresh", "_to_copy_noop"}
 
 
 def _site(depth: int = 2) -> str:
@@ -99,8 +102,8 @@ class _Mode(TorchDispatchMode):
         c = self.census
         if func in _SCALAR_READS:
             c.count_read()
-        elif c.inside == 0 and func not in _FREE:
-            c.record.ops[str(func.overloadpacket.__name__)] += 1
+        elif c.inside == 0 and (name := func.overloadpacket.__name__) not in _FREE_NAMES:
+            c.record.ops[name] += 1
         return out
 
 

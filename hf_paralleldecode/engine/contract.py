@@ -105,8 +105,13 @@ def check_tree(tree, rows: list[int], last_token: Callable[[int], int], vocab: i
     if last is None:  # values read here
         _explain(who, tokens, rows, last_token, vocab)
         return None
-    flag = (tokens[:, 0] != last).any() | (tokens < 0).any() | (tokens >= vocab).any()
-    tree.tokens = tokens.clamp(0, vocab - 1)
+    flag = (tokens[:, 0] != last).any()
+    if width == 1:  # the roots alone: fed as the engine holds them (in the vocabulary), checked against them
+        tree.tokens = last[:, None]
+    else:  # fed clamped into the vocabulary; a token out of it differs from its clamped self
+        fed = tokens.clamp(0, vocab - 1)
+        flag = flag | (fed != tokens).any()
+        tree.tokens = fed
     return PendingCheck(flag, lambda: _explain(who, tokens, rows, last_token, vocab))
 
 

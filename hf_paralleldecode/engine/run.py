@@ -260,7 +260,9 @@ class DecodeRun:
         if failed and check is not None:
             check.explain()
         if self.last is not None:  # the next roots, on the device
-            self.last[self.rows] = verdict.tokens.gather(1, num[:, None]).squeeze(1)
+            tokens = verdict.tokens
+            nxt = tokens[:, 0] if tokens.shape[1] == 1 else tokens.gather(1, num[:, None]).squeeze(1)
+            self.last.index_copy_(0, self.rows, nxt)
         idx = path.clamp(min=0)  # [active, depth + 1]; entries past num are ignored
         kept = {}
         for name, values in (("scores", scores), ("logits", logits)):
