@@ -428,6 +428,14 @@ def scalar_read_ops() -> set:
     return {torch.ops.aten._local_scalar_dense.default}
 
 
+def no_kernel_ops() -> set[str]:
+    """The aten ops (by packet name) that describe a tensor or make a view of it and launch no kernel: what the census
+    (``engine/census.py``) does not count as small ops."""
+    return {"detach", "device", "alias", "view", "_unsafe_view", "reshape", "_reshape_alias", "squeeze", "unsqueeze",
+            "expand", "slice", "select", "as_strided", "t", "transpose", "permute", "split", "narrow", "unbind",
+            "lift_fresh"}
+
+
 #: the devices transformers compiles a static-cache ``generate`` on by itself (``_valid_auto_compile_criteria``)
 AUTO_COMPILE_DEVICES = ("cuda", "xpu", "neuron", "tpu")
 

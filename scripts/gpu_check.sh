@@ -81,11 +81,15 @@ sec() { local name=$1 limit=$2; shift 2
         tail -n 12 "$RES/$name.log"; pack; }
 bench() { local name=$1 limit=$2 model=$3 n=$4; shift 4
           sec "$name" "$limit" "$CLI bench --model $model --dtype bfloat16 $DEV --prompts $P2 --num-prompts $n \
-            --max-new-tokens $TOK --repeats $REP --trace-steps --output-dir $RES/$name $*"; }  # (every policy step kept)
+            --max-new-tokens $TOK --repeats $REP --trace-steps --output-dir $RES/$name ${BASELINES:---no-baselines} $*"; }
+# (every policy step kept; transformers' fast-path baseline compiles per shape, so only the fast_ sections add it)
 # Sections in priority order, sized for one call of a 15-minute lease (timeout_s 600): on an H200 a 1B twin's step is
 # 13-25 ms of host-bound work and the bench runs an untimed warm-up pass per strategy, so a batch-1 item takes ~1.5 s.
 # What the call's limit cuts is the end of the list; its results so far are packed.
 if [ -z "${SMOKE:-}" ]; then sec gpu_tests 50 "python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -rA ${PYTEST_K:+-k $PYTEST_K}"; fi
+# stock on transformers' fast path (static cache + compiled forward) and its prompt lookup beside stock eager and the
+# default, every entry under one attention order: the baselines every GPU table needs (issue 59)
+bench "fast_b1_default-trained-$S1" 240 "default-trained-$S1" $NB1 --batch-sizes 1 --baselines --strategies speculative
 # the drafter's forward beside the twins (32-72 ms in bf16 on the H200, 2 ms beside the 8.4M model in fp32): where it
 # goes, with torch's attention order in the decoding call and with the library's (auto: cuDNN's attention after the
 # others; torch 2.11 puts it first on Hopper in bf16, it builds a graph per new shape, decoding's shapes change)

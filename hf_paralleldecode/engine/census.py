@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..compat import scalar_read_ops
+from ..compat import no_kernel_ops, scalar_read_ops
 
 __all__ = ["HostCensus", "Census", "per_forward", "host_values"]
 
@@ -53,9 +53,7 @@ _HOST = threading.local()  # set while host_values reads a tensor that lives on 
 #: ops that read a tensor's value on the host (``item``, ``int``, ``bool``, ``float``)
 _SCALAR_READS = scalar_read_ops()
 #: ops that only describe a tensor or make a view of it (no kernel launched): not counted
-_FREE_NAMES = {"detach", "device", "alias", "view", "_unsafe_view", "reshape", "_reshape_alias", "squeeze", "unsqueeze",
-               "expand", "slice", "select", "as_strided", "t", "transpose", "permute", "split", "narrow", "unbind",
-               "lift_fresh", "_to_copy_noop"}
+_FREE_NAMES = no_kernel_ops()
 
 
 def _site(depth: int = 2) -> str:
