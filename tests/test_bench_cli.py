@@ -353,7 +353,7 @@ def test_cli_drafter_flag_attaches_a_head_for_speculative_and_dflash(tmp_path, c
 def test_cli_bench_at_several_batch_sizes_writes_one_report_each_and_the_batch_chart(tmp_path, capsys):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(f'{{"prompt": "def f{i}(x):\\n    return"}}\n' for i in range(4)))
-    code = cli.main(["bench", "--model", "random-tiny", "--prompts", str(prompts), "--max-new-tokens", "6",
+    code = cli.main(["bench", "--no-baselines", "--model", "random-tiny", "--prompts", str(prompts), "--max-new-tokens", "6",
                      "--repeats", "1", "--strategies", "prompt_lookup", "jacobi_forcing:context_matches=2",
                      "--batch-sizes", "1", "2", "--output-dir", str(tmp_path / "o")])
     assert code == 0
@@ -476,7 +476,7 @@ def test_a_half_precision_run_on_a_cpu_without_a_fast_kernel_for_it_is_warned_of
     monkeypatch.setattr(hardware, "cpu_has_fast_matmul", lambda dtype: fast or dtype == torch.float32)
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "def f(x):\\n    return"}\n')
-    argv = ["bench", "--model", "random-tiny", "--prompts", str(prompts), "--max-new-tokens", "4", "--repeats", "1",
+    argv = ["bench", "--no-baselines", "--model", "random-tiny", "--prompts", str(prompts), "--max-new-tokens", "4", "--repeats", "1",
             "--strategies", "jacobi:block_size=4", "--device", "cpu", "--output-dir", str(tmp_path / "o")]
     assert cli.main([*argv, "--dtype", "bfloat16"]) == 0
     err = capsys.readouterr().err
@@ -600,7 +600,7 @@ def test_cli_day_one_bench_refuses_none_for_a_setting_without_it_before_the_mode
 
 
 def test_cli_day_one_bench_runs_a_none_setting_as_its_default(tmp_path, capsys):
-    code = cli.main(["bench", "--model", "random-tiny", "--num-prompts", "1", "--max-new-tokens", "4", "--repeats",
+    code = cli.main(["bench", "--no-baselines", "--model", "random-tiny", "--num-prompts", "1", "--max-new-tokens", "4", "--repeats",
                      "1", "--strategies", "jacobi:block_size=None", "--output-dir", str(tmp_path / "o")])
     assert code == 0 and "jacobi(block_size=None)" in capsys.readouterr().out
 

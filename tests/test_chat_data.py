@@ -104,7 +104,7 @@ def test_bench_takes_conversations_and_the_chat_option_as_collect_does(tmp_path,
     path = tmp_path / "chats.jsonl"
     path.write_text("\n".join(json.dumps({"prompt": c}) for c in CONVERSATIONS) + "\n")
     monkeypatch.setattr(cli, "_load", lambda args: (model, tok, "tiny"))
-    assert cli.main(["bench", "--prompts", str(path), "--strategies", "jacobi:block_size=4", "--repeats", "1",
+    assert cli.main(["bench", "--no-baselines", "--prompts", str(path), "--strategies", "jacobi:block_size=4", "--repeats", "1",
                      "--max-new-tokens", "4", "--output-dir", str(tmp_path / "b")]) == 0
     assert json.loads((tmp_path / "b" / "bench.json").read_text())["prompt_format"] == "chat_template"
     monkeypatch.setattr(cli, "_load", lambda args: pytest.fail("the prompts are checked before a model loads"))

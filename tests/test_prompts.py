@@ -80,7 +80,7 @@ def test_the_cli_only_claims_files_it_wrote(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(bench, "plot_sweep", lambda *a: False)
     path = _write(tmp_path, "p.jsonl", json.dumps({"prompt": "def f(x):"}) + "\n")
     common = ["--model", "random-tiny", "--prompts", str(path), "--max-new-tokens", "3", "--repeats", "1"]
-    assert cli.main(["bench", *common, "--strategies", "jacobi:block_size=2", "--output-dir", str(tmp_path / "b")]) == 0
+    assert cli.main(["bench", "--no-baselines", *common, "--strategies", "jacobi:block_size=2", "--output-dir", str(tmp_path / "b")]) == 0
     out = capsys.readouterr().out
     assert "bench.json" in out and "bench.png" not in out
     assert cli.main(["sweep", *common, "--decoding", "jacobi", "--grid", "block_size=2,3", "--output-dir",
