@@ -250,14 +250,8 @@ class DecodeRun:
         lists, with ``check``'s flag (a broken contract raises here, before anything is committed). ``chain``: the
         tree was one path per row (the accepted nodes are a prefix: kept on the host, no read)."""
         path, num = verdict.path, verdict.num_accepted
-        host_lists = None
-        if verdict.host is None:  # the committed tokens and their counts, in one read
-            (nums, committed), failed = self._read_verdict(verdict)
-            verdict.host_nums, verdict.host_tokens = nums, committed
-            host_lists = (self.row_ids, committed, [n + 1 for n in nums])
-        else:
-            failed = verdict.check_failed
-        if failed and check is not None:
+        verdict.read()  # the committed tokens, their counts and the check, in one read (none when walked on the host)
+        if verdict.check_failed and check is not None:
             check.explain()
         if self.last is not None:  # the next roots, on the device
             tokens = verdict.tokens
@@ -268,34 +262,18 @@ class DecodeRun:
         for name, values in (("scores", scores), ("logits", logits)):
             if getattr(self.log, name) is not None:
                 kept[name] = values.gather(1, idx[..., None].expand(-1, -1, values.shape[-1]))
-        host = host_lists
-        if verdict.host is not None:
-            paths, nums, committed = verdict.host
-            host = (self.row_ids, committed, [n + 1 for n in nums])
+        host = (self.row_ids, verdict.committed, [n + 1 for n in verdict.nums])
         self.log.add(self.rows, verdict.tokens, num + 1, kept.get("scores"), kept.get("logits"), host=host)
         if verdict.host is not None:  # the path's nodes increase (parents before children) and start at the root
-            self.slots.commit_kept([[v for v in p if v >= 0] for p in paths], verdict.choices.shape[1])
+            self.slots.commit_kept([[v for v in p if v >= 0] for p in verdict.host[0]], verdict.choices.shape[1])
         elif chain:  # a chain's accepted nodes: the root and the first num of the path
-            self.slots.commit_kept([list(range(n + 1)) for n in verdict.host_nums], verdict.choices.shape[1])
+            self.slots.commit_kept([list(range(n + 1)) for n in verdict.nums], verdict.choices.shape[1])
         else:
             keep = torch.zeros(verdict.choices.shape[:2], dtype=torch.bool, device=path.device)
             keep.scatter_(1, idx, path >= 0)
             keep[:, 0] = True  # the root (the last committed token) always gets its KV
             self.slots.commit(keep)
         self.log.emit()
-
-    @staticmethod
-    def _read_verdict(verdict: Verdict) -> tuple[tuple[list[int], list[list[int]]], bool]:
-        """``(num_accepted, tokens)`` of a verdict walked on the device, and its check's flag: one read."""
-        num, tokens = verdict.num_accepted, verdict.tokens
-        parts = [num.reshape(-1), tokens.reshape(-1)]
-        if verdict.check is not None:
-            parts.append(verdict.check.reshape(1).to(num.dtype))
-        flat = torch.cat(parts).tolist()
-        batch, width = tokens.shape
-        nums, rest = flat[:batch], flat[batch:]
-        committed = [rest[i * width:(i + 1) * width] for i in range(batch)]
-        return (nums, committed), bool(verdict.check is not None and rest[-1])
 
     def lazy_histories(self) -> LazyHistories:
         """:meth:`histories`, each built when first read (a step whose processors read no prefixes builds none)."""

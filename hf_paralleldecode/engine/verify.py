@@ -100,22 +100,29 @@ class Verdict:
     host_nums: list[int] | None = None  # num_accepted as host ints, once read (a verdict walked on the device)
     host_tokens: list[list[int]] | None = None  # tokens as host lists, once read (a verdict walked on the device)
 
+    def read(self) -> None:
+        """Read a verdict walked on the device: ``num_accepted``, ``tokens`` and the step's :attr:`check`, in one
+        transfer (into ``host_nums``, ``host_tokens``, ``check_failed``). The engine reads it at the commit; a
+        verdict walked on the host holds them already."""
+        if self.host is not None or self.host_nums is not None:
+            return
+        rows, self.check_failed = _read_with(torch.cat([self.num_accepted[:, None], self.tokens], dim=1), self.check)
+        self.host_nums, self.host_tokens = [r[0] for r in rows], [r[1:] for r in rows]
+
     @property
     def nums(self) -> list[int]:
-        """``num_accepted`` as host ints: read with the verdict by the engine (no read here once committed)."""
+        """``num_accepted`` as host ints (read once with the verdict: :meth:`read`)."""
         if self.host is not None:
             return self.host[1]
-        if self.host_nums is None:
-            self.host_nums = self.num_accepted.tolist()
+        self.read()
         return self.host_nums
 
     @property
     def committed(self) -> list[list[int]]:
-        """``tokens`` as host lists (each row's first ``num_accepted + 1`` are committed), read with the verdict."""
+        """``tokens`` as host lists (each row's first ``num_accepted + 1`` are committed; read once: :meth:`read`)."""
         if self.host is not None:
             return self.host[2]
-        if self.host_tokens is None:
-            self.host_tokens = self.tokens.tolist()
+        self.read()
         return self.host_tokens
 
 
