@@ -24,6 +24,7 @@ What the tree grower (``decoding/speculative.py``) asks of a state, and nothing 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -34,6 +35,7 @@ from torch import nn
 
 from ..compat import DynamicCache
 from ..engine.cache import SlotCache
+from ..engine.timing import DeviceTimer
 from .context import DrafterContext, DraftNodes, DraftStep
 from .formats import DrafterFormat
 
@@ -216,14 +218,32 @@ class DrafterState:
     drafter's trees holds; :meth:`end_step` crops the step's slots and compacts, :meth:`select` follows finished rows.
     """
 
+    _timer: DeviceTimer | None = None  # the forwards timed by timed() (made at the first one, on its device)
+
     def __init__(self):
         self.forwards = 0  # drafter forwards
-        self.seconds = 0.0  # their time
+        self.seconds = 0.0  # their time (a kind adds its own, or times its forwards with timed())
         self.fed_tokens = 0  # input slots fed, summed over forwards
         self.skipped_tokens = 0  # committed tokens left out of the drafter's context (a capped catch-up)
         self.slots: SlotCache | None = None  # the drafter's own cache (open_cache), if any
         self.step_slots = 0  # slots this step appended after the context (end_step crops them)
         self._branches: list[dict[int, tuple[int, ...]]] = []  # per row: node -> block slots of it and its ancestors
+
+    @property
+    def seconds(self) -> float:
+        """The drafter forwards' seconds: what the kind added, plus the forwards it ran under :meth:`timed`."""
+        return self._seconds + (self._timer.seconds if self._timer is not None else 0.0)
+
+    @seconds.setter
+    def seconds(self, value: float) -> None:  # (``state.seconds += t`` adds t)
+        self._seconds = float(value) - (self._timer.seconds if self._timer is not None else 0.0)
+
+    def timed(self, device) -> contextlib.AbstractContextManager:
+        """Time a drafter forward on ``device`` into :attr:`seconds` without making the host wait (on CUDA: events
+        read when the seconds are asked for, :class:`~hf_paralleldecode.engine.timing.DeviceTimer`)."""
+        if self._timer is None:
+            self._timer = DeviceTimer(device)
+        return self._timer.timing()
 
     # ---- the step (what the tree grower calls) ---------------------------------------------------
     def marginals(self, step: DraftStep) -> torch.Tensor:

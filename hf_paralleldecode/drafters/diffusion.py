@@ -74,7 +74,6 @@ import torch
 from torch import nn
 
 from ..compat import attn_implementation, cache_kwargs
-from ..engine.timing import DeviceTimer
 from .base import (
     SHIPPED_DRAFTERS,
     Drafter,
@@ -584,18 +583,6 @@ class DiffusionState(DrafterState):
     #: block-causal drafters: the most committed tokens per row one drafter forward catches up on after steps that
     #: did not draft (plain steps of the batch policy), the last step's tokens always included; ``None``: all of them
     max_catch_up: int | None = 16
-    _timer: DeviceTimer | None = None  # the drafter forwards' time (made at the first forward, on its device)
-    _seconds_before = 0.0
-
-    @property
-    def seconds(self) -> float:
-        """The drafter forwards' seconds (on CUDA from events, read when asked: no wait at each forward)."""
-        return self._seconds_before + (self._timer.seconds if self._timer is not None else 0.0)
-
-    @seconds.setter
-    def seconds(self, value: float) -> None:
-        self._seconds_before, self._timer = float(value), None
-
     def __init__(self, context: DrafterContext, drafter: DiffusionDrafter, depth: int | None = None,
                  steps: int | None = None):
         super().__init__()
@@ -622,9 +609,7 @@ class DiffusionState(DrafterState):
     # ---- forwards -------------------------------------------------------------------------------
     def _call(self, **kwargs) -> torch.Tensor:
         device = self.drafter.device
-        if self._timer is None:
-            self._timer = DeviceTimer(device)
-        with self._timer.timing():  # (on CUDA: events, read when the seconds are asked for; no wait here)
+        with self.timed(device):  # (on CUDA: events, read when the seconds are asked for; no wait here)
             logits = self.drafter(**{k: v.to(device) if torch.is_tensor(v) else v for k, v in kwargs.items()})
         self.forwards += 1
         self.fed_tokens += int(kwargs["input_ids"].numel())
